@@ -1,0 +1,5 @@
+import sys
+
+from tierio.cli.main import main
+
+sys.exit(main())

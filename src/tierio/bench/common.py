@@ -1,0 +1,128 @@
+"""Helpers shared by the benchmarks: fio as the hardware limit, page-cache dropping, RSS sampling.
+
+Benchmarks install nothing: a missing tool is a clear ToolMissing error naming the package.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from tierio.errors import TierioError
+from tierio.io.files import drop_page_cache
+
+T = TypeVar("T")
+
+
+class ToolMissing(TierioError):
+    """A peer tool the benchmark compares against is not installed."""
+
+
+def require_tool(name: str, install: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise ToolMissing(f"`{name}` is not installed; the benchmark compares against it. Install it with: {install}")
+    return path
+
+
+def run_fio(directory: str | Path, rw: str, size: int, *, bs: str = "8M", iodepth: int = 8, direct: bool = True,
+            name: str = "tierio-fio", keep: bool = False) -> dict[str, float]:
+    """One fio job (libaio, one file of ``size`` bytes in ``directory``); returns bytes/s and seconds.
+
+    A read job lays out its file first (untimed) and drops it from the page cache before reading.
+    """
+    fio = require_tool("fio", "apt-get install fio")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    fname = directory / f"{name}.0.0"
+    args = [fio, f"--name={name}", f"--filename={fname}", f"--rw={rw}", f"--bs={bs}", f"--iodepth={iodepth}",
+            "--ioengine=libaio", f"--direct={1 if direct else 0}", f"--size={size}", "--output-format=json"]
+    if rw in ("read", "randread"):
+        if not fname.exists() or fname.stat().st_size < size:
+            subprocess.run([fio, f"--name={name}-layout", f"--filename={fname}", "--rw=write", "--bs=8M",
+                            "--ioengine=libaio", "--direct=1", "--iodepth=8", f"--size={size}", "--output-format=json"],
+                           check=True, capture_output=True)
+        drop_caches([fname])
+    if not direct and rw == "write":
+        args.append("--end_fsync=1")
+    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    part = job["write" if "write" in rw else "read"]
+    seconds = part["runtime"] / 1000.0
+    if not keep:
+        fname.unlink(missing_ok=True)
+    return {"bytes_per_s": part["io_bytes"] / seconds if seconds else 0.0, "seconds": seconds, "bytes": part["io_bytes"]}
+
+
+def drop_caches(paths: Iterable[str | Path] = ()) -> None:
+    """Evict files from the page cache (fadvise), and the whole cache too when running as root."""
+    os.sync()
+    drop_page_cache(paths)
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+    except OSError:
+        pass  # not root, or a container: per-file eviction above still applies
+
+
+def timed(fn: Callable[[], T]) -> tuple[T, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class RssSampler:
+    """Samples this process's resident set every few ms; ``peak`` is the maximum seen."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> RssSampler:
+        self.peak = rss_bytes()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    return round(numerator / denominator, 3) if denominator else float("nan")
+
+
+def check_targets(ratios: dict[str, float], targets: dict[str, tuple[str, float]]) -> dict[str, bool]:
+    """{name: met?} for each target (">=" or "<=" threshold) that has a measured ratio."""
+    met = {}
+    for name, (op, threshold) in targets.items():
+        if name in ratios and ratios[name] == ratios[name]:  # skip NaN
+            met[name] = ratios[name] >= threshold if op == ">=" else ratios[name] <= threshold
+    return met
+
+
+def machine_facts() -> dict[str, Any]:
+    return {"cpus": os.cpu_count(), "kernel": os.uname().release}

@@ -1,0 +1,196 @@
+"""`tierio plan`: size checkpoint, data, weight-load and KV-cache storage before buying it."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from tierio.errors import ConfigError
+from tierio.plan.measured import load_measured
+from tierio.plan.model import PRESETS, preset
+from tierio.plan.quantities import (
+    parse_bytes, parse_count, parse_duration, parse_fraction, parse_money, parse_rate,
+)
+from tierio.plan.report import SECTIONS, PlanInputs, build_plan, tables
+from tierio.plan.serving import LOAD_PATHS
+
+EXAMPLES = """\
+examples:
+  tierio plan                                   the worked example: 1,024 GPUs, 70B, ZeRO-3, 30 s async window
+  tierio plan --preset 405b --gpus 2048 --async-window 45s
+  tierio plan --gpus 128 --interval-steps 100 --storage-bw 100GB/s --snapshot-time 4s --misc 1GB --only checkpoint,write
+  tierio plan --preset llama3-70b --only kv,weights --context 32768 --kv-budget 75GB
+  tierio probe /mnt/nvme --json > probe.json && tierio plan --measured probe.json --only write,weights
+  tierio plan --json | jq .bandwidth.lustre
+
+Every figure, its formula and its units: docs/sizing.md.
+Sizes and rates are decimal (GB = 1e9 B) unless written with GiB; counts take K, M, B, T (70B = 70e9).
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan", help="size storage: checkpoints, bandwidth, Lustre OSTs, weight loads, KV cache, cost",
+        description="Size the storage of a training or serving cluster from the model and the job. "
+                    "Defaults reproduce the worked 1,024-GPU / 70B example; change what differs.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", default="70b", help=f"model shape: {', '.join(PRESETS)} (default 70b)")
+    g.add_argument("--params", help="parameter count, overrides the preset (e.g. 13B)")
+    g.add_argument("--layers", help="transformer layers (KV cache)")
+    g.add_argument("--kv-heads", help="KV heads per layer (KV cache)")
+    g.add_argument("--head-dim", help="head dimension (KV cache)")
+    g.add_argument("--vocab", help="vocabulary size (decides 2- or 4-byte token IDs)")
+    g = p.add_argument_group("training job")
+    g.add_argument("--gpus", default="1024", help="world size (default 1024)")
+    g.add_argument("--tp", default="1", help="tensor-parallel degree (default 1)")
+    g.add_argument("--pp", default="1", help="pipeline-parallel degree (default 1)")
+    g.add_argument("--zero", default="3", choices=["0", "1", "2", "3"], help="ZeRO stage (default 3)")
+    g.add_argument("--gpus-per-node", default="8", help="GPUs per node (default 8)")
+    g.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd or none (default adamw)")
+    g.add_argument("--weight-dtype", default="bf16", help="training weight dtype (default bf16)")
+    g.add_argument("--no-grads", action="store_true", help="leave gradients out of the checkpoint")
+    g.add_argument("--misc", default="0", help="RNG/step/LR state added once (default 0)")
+    g.add_argument("--batch-tokens", default="4M", help="tokens per global batch (default 4M)")
+    g.add_argument("--token-bytes", default="2", help="bytes per stored token ID (default 2)")
+    g.add_argument("--step-time", default="25s", help="seconds per training step (default 25s)")
+    g.add_argument("--interval-steps", default="1000", help="steps between checkpoints (default 1000)")
+    g.add_argument("--async-window", default="30s", help="time a background write may take (default 30s)")
+    g.add_argument("--margin", default="2", help="safety margin on required bandwidth (default 2)")
+    g = p.add_argument_group("write paths")
+    g.add_argument("--single-writer-bw", default="10GB/s", help="one writer's bandwidth (default 10GB/s)")
+    g.add_argument("--storage-bw", help="aggregate write bandwidth of the shared tier (default: the planned OSTs)")
+    g.add_argument("--node-bw", default="25GB/s", help="one node's storage link (default 25GB/s)")
+    g.add_argument("--snapshot-bw", default="20GB/s", help="GPU→pinned host copy per GPU (default 20GB/s)")
+    g.add_argument("--snapshot-time", help="blocking snapshot time, overrides --snapshot-bw (e.g. 4s)")
+    g.add_argument("--measured", metavar="FILE", help="use bandwidths from `tierio probe --json` output")
+    g = p.add_argument_group("Lustre and cost")
+    g.add_argument("--ost-bw", default="2GB/s", help="sustained write bandwidth per OST (default 2GB/s)")
+    g.add_argument("--ost-round", default="16", help="round OSTs up to a multiple of this (default 16; 1 = none)")
+    g.add_argument("--osts-per-node", default="1", help="OSTs per storage node (default 1)")
+    g.add_argument("--ost-node-cost", default="25K", help="price of a storage node in $ (default 25K)")
+    g.add_argument("--gpu-hour-cost", default="3", help="$ per GPU-hour (default 3)")
+    g.add_argument("--object-price", default="0.02", help="object storage $ per GB-month (default 0.02)")
+    g.add_argument("--years", default="3", help="years to cost (default 3)")
+    g.add_argument("--archive-per-day", help="bytes archived per day (default: one full checkpoint)")
+    g.add_argument("--retention-days", help="days the archive keeps a checkpoint (default: forever)")
+    g = p.add_argument_group("serving")
+    g.add_argument("--serve-dtype", default="fp8", help="weight dtype when serving (default fp8)")
+    g.add_argument("--load-bw", action="append", default=[], metavar="PATH=RATE",
+                   help=f"override or add a load path bandwidth; paths: {', '.join(LOAD_PATHS)}")
+    g.add_argument("--kv-dtype", default="fp8", help="KV-cache dtype (default fp8)")
+    g.add_argument("--context", default="8192", help="context length in tokens (default 8192)")
+    g.add_argument("--hbm-per-gpu", default="80GB", help="HBM per GPU (default 80GB)")
+    g.add_argument("--serve-gpus", help="GPUs per serving replica, e.g. TP (default: smallest power of two that fits)")
+    g.add_argument("--serve-overhead", default="15GB", help="activations + runtime per replica (default 15GB)")
+    g.add_argument("--kv-budget", help="HBM for KV cache per replica, overrides the derivation (e.g. 75GB)")
+    g.add_argument("--nvme-capacity", default="10TB", help="NVMe given to KV overflow (default 10TB)")
+    g.add_argument("--nvme-bw", default="110GB/s", help="NVMe read bandwidth (default 110GB/s)")
+    g.add_argument("--fetch-latency", default="200us", help="latency of one NVMe KV fetch (default 200us)")
+    g.add_argument("--decode-latency", default="15ms", help="decode time per token (default 15ms)")
+    g.add_argument("--fetch-fraction", default="0.1", help="share of tokens needing a fetch (default 0.1)")
+    g.add_argument("--fetch-budget", default="5%", help="tolerated decode slowdown (default 5%%)")
+    g = p.add_argument_group("DataLoader")
+    g.add_argument("--workers", default="8", help="DataLoader workers per GPU (default 8)")
+    g.add_argument("--prefetch", default="4", help="prefetch_factor (default 4)")
+    g.add_argument("--micro-batch", default="32", help="sequences per micro-batch (default 32)")
+    g.add_argument("--seq-len", default="4096", help="sequence length (default 4096)")
+    g.add_argument("--loader-token-bytes", default="2", help="bytes per token in a batch (default 2)")
+    a("--only", help=f"comma-separated sections: {', '.join(SECTIONS)} (default all)")
+    a("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(handler=run)
+
+
+def _int(text: str, what: str, minimum: int = 1) -> int:
+    value = parse_count(text, what, allow_zero=minimum == 0)
+    if value != int(value) or value < minimum:
+        raise ConfigError(f"{what} must be a whole number of at least {minimum}, got {text!r}")
+    return int(value)
+
+
+def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
+    """Turn command-line strings into PlanInputs; every bad value raises ConfigError naming the flag."""
+    model = preset(args.preset)
+    overrides = {}
+    if args.params:
+        overrides["params"] = parse_count(args.params, "--params")
+    for flag in ("layers", "kv_heads", "head_dim", "vocab"):
+        if getattr(args, flag):
+            overrides[flag] = _int(getattr(args, flag), "--" + flag.replace("_", "-"))
+    if overrides:
+        model = replace(model, **overrides)
+    load_bw = {}
+    for item in args.load_bw:
+        name, sep, rate = item.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--load-bw {item!r}: write PATH=RATE, e.g. nfs=10GB/s")
+        load_bw[name.strip()] = parse_rate(rate, f"--load-bw {name}")
+    opt = lambda v, fn, what: None if v is None else fn(v, what)  # noqa: E731
+    return PlanInputs(
+        model=model, gpus=_int(args.gpus, "--gpus"), tp=_int(args.tp, "--tp"), pp=_int(args.pp, "--pp"),
+        zero_stage=int(args.zero), gpus_per_node=_int(args.gpus_per_node, "--gpus-per-node"),
+        optimizer=args.optimizer, weight_dtype=args.weight_dtype, include_grads=not args.no_grads,
+        misc_bytes=parse_bytes(args.misc, "--misc", allow_zero=True),
+        batch_tokens=parse_count(args.batch_tokens, "--batch-tokens"),
+        token_bytes=parse_count(args.token_bytes, "--token-bytes"),
+        step_s=parse_duration(args.step_time, "--step-time"),
+        interval_steps=parse_count(args.interval_steps, "--interval-steps"),
+        async_window_s=parse_duration(args.async_window, "--async-window"),
+        margin=parse_count(args.margin, "--margin"),
+        single_writer_bw=parse_rate(args.single_writer_bw, "--single-writer-bw"),
+        storage_bw=opt(args.storage_bw, parse_rate, "--storage-bw"),
+        node_bw=parse_rate(args.node_bw, "--node-bw"),
+        snapshot_bw=parse_rate(args.snapshot_bw, "--snapshot-bw"),
+        snapshot_s=opt(args.snapshot_time, parse_duration, "--snapshot-time"),
+        ost_bw=parse_rate(args.ost_bw, "--ost-bw"), ost_round=_int(args.ost_round, "--ost-round"),
+        osts_per_node=_int(args.osts_per_node, "--osts-per-node"),
+        ost_node_cost=parse_money(args.ost_node_cost, "--ost-node-cost"),
+        gpu_hour_cost=parse_money(args.gpu_hour_cost, "--gpu-hour-cost"),
+        object_price=parse_money(args.object_price, "--object-price"),
+        years=parse_count(args.years, "--years"),
+        archive_per_day=opt(args.archive_per_day, parse_bytes, "--archive-per-day"),
+        retention_days=opt(args.retention_days, parse_count, "--retention-days"),
+        serve_dtype=args.serve_dtype, load_bw=load_bw, kv_dtype=args.kv_dtype,
+        context=_int(args.context, "--context"), hbm_per_gpu=parse_bytes(args.hbm_per_gpu, "--hbm-per-gpu"),
+        serve_gpus=opt(args.serve_gpus, _int, "--serve-gpus"),
+        serve_overhead=parse_bytes(args.serve_overhead, "--serve-overhead", allow_zero=True),
+        kv_budget=opt(args.kv_budget, parse_bytes, "--kv-budget"),
+        nvme_capacity=parse_bytes(args.nvme_capacity, "--nvme-capacity"),
+        nvme_bw=parse_rate(args.nvme_bw, "--nvme-bw"),
+        fetch_latency_s=parse_duration(args.fetch_latency, "--fetch-latency"),
+        decode_latency_s=parse_duration(args.decode_latency, "--decode-latency"),
+        fetch_fraction=parse_fraction(args.fetch_fraction, "--fetch-fraction"),
+        fetch_budget=parse_fraction(args.fetch_budget, "--fetch-budget"),
+        workers=_int(args.workers, "--workers"), prefetch=_int(args.prefetch, "--prefetch"),
+        micro_batch=_int(args.micro_batch, "--micro-batch"), seq_len=_int(args.seq_len, "--seq-len"),
+        loader_token_bytes=parse_count(args.loader_token_bytes, "--loader-token-bytes"),
+        measured=load_measured(args.measured) if args.measured else None,
+    )
+
+
+def _sections(text: str | None) -> tuple[str, ...]:
+    if not text:
+        return SECTIONS
+    chosen = tuple(s.strip().lower() for s in text.split(",") if s.strip())
+    unknown = [s for s in chosen if s not in SECTIONS]
+    if unknown or not chosen:
+        raise ConfigError(f"--only {text!r}: unknown section {', '.join(unknown) or '(none)'}; "
+                          f"use some of {', '.join(SECTIONS)}")
+    return chosen
+
+
+def run(args: argparse.Namespace) -> int:
+    from tierio.cli.output import console, print_json, print_table
+
+    sections = _sections(args.only)
+    plan = build_plan(inputs_from_args(args))
+    if args.json:
+        keep = {"model", "parallelism", "measured", "notes", *sections}
+        print_json({k: v for k, v in plan.items() if k in keep})
+        return 0
+    for title, columns, rows in tables(plan, sections):
+        print_table(title, columns, rows)
+    for note in plan["notes"]:
+        console().print(f"note: {note}")
+    return 0

@@ -1,0 +1,47 @@
+"""Typed errors. Every message says what went wrong, where, and what to do next."""
+
+from __future__ import annotations
+
+
+class TierioError(Exception):
+    """Base class of every error tierio raises on purpose."""
+
+
+class StorageError(TierioError):
+    """A store could not complete an operation."""
+
+
+class NotFoundError(StorageError, FileNotFoundError):
+    """A file, key or checkpoint does not exist."""
+
+
+class PermissionDeniedError(StorageError, PermissionError):
+    """The path or bucket exists but may not be written or read."""
+
+
+class DiskFullError(StorageError):
+    """The target filesystem ran out of space (ENOSPC / EDQUOT)."""
+
+
+class StoreUnavailableError(StorageError):
+    """The store's endpoint did not answer (dead server, wrong port, network)."""
+
+
+class AuthError(StorageError):
+    """The store refused the credentials."""
+
+
+class BucketNotFoundError(StorageError):
+    """The S3 bucket named in the URL does not exist."""
+
+
+class IntegrityError(TierioError):
+    """Bytes read back do not match their recorded size or checksum."""
+
+
+class FormatError(TierioError):
+    """A file or manifest is malformed, truncated, or hostile."""
+
+
+class ConfigError(TierioError, ValueError):
+    """An argument or setting is invalid."""

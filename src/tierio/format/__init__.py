@@ -1,0 +1,1 @@
+"""On-disk formats: safetensors-compatible shards and JSON manifests."""

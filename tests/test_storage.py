@@ -1,0 +1,148 @@
+"""Stores on real directories and a real S3 server (SeaweedFS on loopback)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tierio.errors import (
+    AuthError,
+    BucketNotFoundError,
+    ConfigError,
+    DiskFullError,
+    NotFoundError,
+    StorageError,
+    StoreUnavailableError,
+)
+from tierio.storage import LocalStore, S3Store, open_store, read_bytes
+from tierio.storage.seaweed import free_port
+
+MiB = 1 << 20
+
+
+def payload(n: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    if request.param == "local":
+        return LocalStore(tmp_path / "tier")
+    url = request.getfixturevalue("s3_url")
+    return open_store(url, part_size=5 * MiB, concurrency=4)
+
+
+def test_round_trip_and_listing(store, tmp_path):
+    data = payload(12 * MiB + 333)  # several multipart parts and an odd tail
+    assert store.put_buffers("a/b/data.bin", [data[:1000], data[1000:]]) == len(data)
+    assert store.exists("a/b/data.bin") and not store.exists("a/b/other")
+    assert store.stat("a/b/data.bin").size == len(data)
+    assert read_bytes(store, "a/b/data.bin") == data
+    buf = bytearray(5 * MiB + 7)
+    store.read_into("a/b/data.bin", 3 * MiB + 1, memoryview(buf))  # ranged read across parts
+    assert bytes(buf) == data[3 * MiB + 1 : 8 * MiB + 8]
+    src = tmp_path / "src.bin"
+    src.write_bytes(data[:7 * MiB])
+    store.put_file("c/file.bin", src)
+    store.get_file("c/file.bin", tmp_path / "back" / "file.bin")
+    assert (tmp_path / "back" / "file.bin").read_bytes() == data[:7 * MiB]
+    store.put_buffers("a/x", [b""])
+    assert store.list("a/") == ["a/b/data.bin", "a/x"]
+    assert store.list() == ["a/b/data.bin", "a/x", "c/file.bin"]
+    store.delete("a/x")
+    store.delete("a/x")  # deleting a missing key is not an error
+    assert store.list("a") == ["a/b/data.bin"]
+
+
+def test_missing_key_is_typed(store):
+    with pytest.raises(NotFoundError, match="missing"):
+        store.stat("missing")
+    with pytest.raises(NotFoundError, match="missing"):
+        store.read_into("missing", 0, memoryview(bytearray(4)))
+
+
+def test_keys_cannot_escape(store):
+    for bad in ["../x", "/etc/passwd", "a/../../b", "", "a//b"]:
+        with pytest.raises(ConfigError):
+            store.put_buffers(bad, [b"x"])
+
+
+def test_local_listing_hides_temp_files(tmp_path):
+    s = LocalStore(tmp_path)
+    s.put_buffers("k", [b"1"])
+    (tmp_path / ".k.tmp-123").write_bytes(b"partial")
+    assert s.list() == ["k"]
+
+
+def test_local_full_disk_leaves_nothing(small_tmpfs):
+    s = LocalStore(small_tmpfs / "tier")
+    s.put_buffers("keep", [b"good"])
+    with pytest.raises(DiskFullError, match="no space"):
+        s.put_buffers("big", [payload(MiB)] * 70)
+    assert s.list() == ["keep"] and read_bytes(s, "keep") == b"good"
+
+
+def test_open_store_urls(tmp_path, seaweed):
+    assert isinstance(open_store(tmp_path), LocalStore)
+    assert open_store(f"file://{tmp_path}").root == tmp_path
+    s3 = open_store(f"s3://bkt/pre/fix?endpoint={seaweed.endpoint}")
+    assert isinstance(s3, S3Store) and s3.bucket == "bkt" and s3.prefix == "pre/fix"
+    with pytest.raises(ConfigError):
+        open_store("ftp://x/y")
+    with pytest.raises(ConfigError):
+        open_store("s3://b/p?colour=red")
+
+
+@pytest.mark.s3
+def test_s3_lists_past_one_thousand_keys(s3_url):
+    s = open_store(s3_url, concurrency=16)
+    keys = [f"many/{i:05d}" for i in range(1100)]
+    list(s._pool.map(lambda k: s.put_buffers(k, [b"x"]), keys))
+    assert s.list("many/") == keys
+
+
+@pytest.mark.s3
+def test_s3_missing_bucket_and_bad_credentials(seaweed, monkeypatch):
+    with pytest.raises(BucketNotFoundError, match="no-such-bucket"):
+        S3Store("no-such-bucket", endpoint=seaweed.endpoint).list()
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    with pytest.raises(AuthError, match="credentials"):
+        S3Store("any", endpoint=seaweed.endpoint).list()
+
+
+def test_s3_dead_endpoint_is_typed():
+    s = S3Store("b", endpoint=f"http://127.0.0.1:{free_port()}", max_attempts=1)
+    with pytest.raises(StoreUnavailableError, match="did not answer"):
+        s.put_buffers("k", [b"x"])
+    with pytest.raises(StoreUnavailableError):
+        s.list()
+
+
+@pytest.mark.s3
+def test_s3_server_stopped_mid_upload_leaves_no_object(seaweed, s3_url):
+    s = open_store(s3_url, part_size=5 * MiB, concurrency=1, max_attempts=1)
+    data = payload(40 * MiB, 9)
+    killer = threading.Timer(0.3, seaweed.stop)
+    killer.start()
+    try:
+        with pytest.raises(StorageError):
+            for i in range(50):  # keep uploading until the server dies under us
+                s.put_buffers("big.bin", [data])
+                s.delete("big.bin")
+    finally:
+        killer.join()
+        seaweed.start()
+    s2 = open_store(s3_url)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            keys = s2.list()
+            break
+        except StorageError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    assert "big.bin" not in keys
