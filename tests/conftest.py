@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -39,7 +40,21 @@ def s3_url(seaweed) -> str:
     if seaweed._proc is None:  # a previous test stopped it
         seaweed.start()
     bucket = f"t-{uuid.uuid4().hex[:12]}"
-    S3Store(bucket, endpoint=seaweed.endpoint).create_bucket()
+    store = S3Store(bucket, endpoint=seaweed.endpoint)
+    store.create_bucket()
+    # A new bucket gets its own volumes; right after a server restart the first writes can fail
+    # with InternalError for a few seconds. Wait until one succeeds so tests start from a usable bucket.
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            store.put_buffers(".warmup", [b"x"])
+            store.delete(".warmup")
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    store.close()
     return seaweed.url(f"{bucket}/data")
 
 

@@ -14,7 +14,7 @@ import sys
 from tierio._version import __version__
 from tierio.errors import TierioError
 
-COMMANDS = ["demo", "probe", "bench", "plan", "doctor", "ckpt", "weights", "data", "kv"]
+COMMANDS = ["demo", "probe", "bench", "plan", "doctor", "ckpt", "weights", "data"]
 
 EPILOG = """\
 examples:

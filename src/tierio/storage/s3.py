@@ -49,9 +49,9 @@ class S3Store:
         *,
         endpoint: str | None = None,
         region: str | None = None,
-        part_size: int = 16 * MiB,
-        concurrency: int = 16,
-        max_attempts: int = 4,
+        part_size: int = 8 * MiB,
+        concurrency: int = 10,
+        max_attempts: int = 5,
         limiter: TokenBucket | None = None,
     ) -> None:
         if not bucket:

@@ -1,0 +1,322 @@
+"""`tierio bench ckpt`: the checkpoint engine against fio, torch.save and torch.distributed.checkpoint.
+
+Everything runs in one process on one directory, in one run, on the same state: by default 2 GiB in
+96 tensors mixing fp32 and bf16. The page cache is dropped before every read. Peers run in their
+documented default configuration; where a peer has a faster option (DCP's cached staging), the
+faster figure is the one compared against.
+
+Figures (seconds are medians of the steady-state repetitions):
+  persist       tierio save() call -> local tier committed (manifest durable)
+  write phase   staged -> committed (the part that competes with fio)
+  blocking      how long save() holds the training loop (the snapshot copy)
+  restore       restore(into=state) from a cold page cache, checksums verified
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierio.bench import common
+from tierio.errors import ConfigError
+from tierio.units import human_bytes, parse_size
+
+TARGETS = {
+    "persist_vs_fio_write": (">=", 0.9),
+    "persist_vs_dcp_save": (">=", 1.8),
+    "persist_vs_torch_save": (">=", 5.0),
+    "stall_vs_memcpy": (">=", 0.67),
+    "stall_vs_dcp_async": (">=", 3.0),
+    "restore_vs_fio_read": (">=", 0.9),
+    "restore_vs_dcp_load": (">=", 2.0),
+    "rss_overhead": ("<=", 1.1),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", help="directory on the disk under test (default: a new temporary directory)")
+    p.add_argument("--size", default="2GiB", help="checkpoint state size (default 2GiB)")
+    p.add_argument("--tensors", type=int, default=96, help="number of tensors, fp32 and bf16 mixed (default 96)")
+    p.add_argument("--repeat", type=int, default=5, help="steady-state repetitions of each tierio save (default 5)")
+    p.add_argument("--keep", action="store_true", help="keep the files written (default: delete them)")
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def _files(path: Path) -> list[Path]:
+    return [Path(root) / name for root, _dirs, files in os.walk(path) for name in files]
+
+
+def drop_caches(path: Path) -> None:
+    """Evict every file under ``path`` from the page cache (and the whole cache as root)."""
+    common.drop_caches(_files(path))
+
+
+# -- the state -----------------------------------------------------------------------------------
+
+
+def make_state(total: int, n: int, seed: int = 0) -> dict[str, Any]:
+    """``n`` tensors of uneven sizes adding up to about ``total`` bytes, fp32 and bf16 alternating,
+    random contents (so no layer of the stack can compress or deduplicate them)."""
+    if n < 1 or total < n * 64:
+        raise ConfigError(f"cannot split {total} bytes into {n} tensors; use a larger --size or fewer --tensors")
+    weights = [1 + (i * 7919) % 13 for i in range(n)]  # deterministic spread: ~1x..13x
+    scale = total / sum(weights)
+    g = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for i, w in enumerate(weights):
+        dtype = torch.float32 if i % 2 == 0 else torch.bfloat16
+        elems = max(16, int(w * scale) // dtype.itemsize // 1024 * 1024)
+        # Filled in place (no temporaries), so the process holds the state and little else.
+        t = torch.empty(elems // 1024 if elems % 1024 == 0 else elems, *((1024,) if elems % 1024 == 0 else ()), dtype=dtype)
+        t.view(torch.int16 if dtype.itemsize == 2 else torch.int32).random_(generator=g)
+        t.nan_to_num_()  # random bit patterns include NaN and inf; keep values finite
+        tensors[f"layer{i:03d}.{'weight' if i % 3 else 'bias'}"] = t
+    return {"step": 0, "tensors": tensors}
+
+
+def state_nbytes(state: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in state["tensors"].values())
+
+
+# -- the measurements ----------------------------------------------------------------------------
+
+
+def _memcpy_seconds(state: dict[str, Any], repeat: int = 5) -> float:
+    """Copy the same tensors into one already-faulted buffer (typed copies, torch's fastest path):
+    the floor of any snapshot. Best of ``repeat``."""
+    from tierio.io import HostBuffer
+
+    buf = HostBuffer(state_nbytes(state), pin=False)
+    dst = buf.tensor()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        off = 0
+        for t in state["tensors"].values():
+            n = t.numel() * t.element_size()
+            dst[off : off + n].view(t.dtype).view(t.shape).copy_(t)
+            off += n
+        best = min(best, time.perf_counter() - t0)
+    del dst, buf
+    return best
+
+
+def _tierio(state: dict[str, Any], root: Path, repeat: int) -> dict[str, Any]:
+    from tierio.ckpt import CheckpointManager, KeepLast, Tier
+
+    out: dict[str, Any] = {}
+    blocking, walls, persist, write = [], [], [], []
+    with CheckpointManager([Tier(str(root), retention=KeepLast(2))], min_keep=1) as mgr:
+        for i in range(repeat + 1):  # save 0 allocates and faults the staging buffers: warm-up
+            step = i + 1
+            state["step"] = step
+            staged_at: list[float] = []
+            t0 = time.perf_counter()
+            h = mgr.save(step, state)
+            t1 = time.perf_counter()
+            h.staged.add_done_callback(lambda _f: staged_at.append(time.perf_counter()))
+            h.persisted.result()
+            t2 = time.perf_counter()
+            staged = staged_at[0] if staged_at else t1
+            if i == 0:
+                out["first_save_blocking_s"] = t1 - t0
+                continue
+            walls.append(t1 - t0)
+            blocking.append(getattr(h, "blocking_seconds", None) or (t1 - t0))
+            persist.append(t2 - t0)
+            write.append(t2 - max(staged, t0))
+        mgr.wait()
+        out["blocking_s"] = statistics.median(blocking)
+        out["blocking_wall_s"] = statistics.median(walls)
+        out["persist_s"] = statistics.median(persist)
+        out["write_s"] = statistics.median(write)
+        step = repeat + 1
+        for label, into in (("restore_into_s", state), ("restore_alloc_s", None)):
+            drop_caches(root)
+            t0 = time.perf_counter()
+            got = mgr.restore(step=step, into=into)
+            out[label] = time.perf_counter() - t0
+            if into is None:
+                del got
+        if hasattr(mgr, "stats"):
+            try:
+                out["manager_stats"] = json.loads(json.dumps(mgr.stats(), default=str))
+            except (TypeError, ValueError):
+                pass
+    return out
+
+
+def _dcp(state: dict[str, Any], root: Path) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        # DCP warns that it runs without a process group: single-process is what we measure.
+        warnings.simplefilter("ignore", UserWarning)
+        return _dcp_runs(dcp, state, root)
+
+
+def _dcp_runs(dcp: Any, state: dict[str, Any], root: Path) -> dict[str, Any]:
+    tensors = state["tensors"]
+    out: dict[str, Any] = {}
+    saves = []
+    for i in range(2):  # the first call also plans; take the faster of two
+        path = root / f"save{i}"
+        t0 = time.perf_counter()
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(path), sync_files=True), no_dist=True)
+        saves.append(time.perf_counter() - t0)
+        if i == 0:
+            shutil.rmtree(path)
+    out["save_s"] = min(saves)
+    drop_caches(root)
+    t0 = time.perf_counter()
+    dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(root / "save1")), no_dist=True)
+    out["load_s"] = time.perf_counter() - t0
+    shutil.rmtree(root / "save1")
+
+    # async_save: what the call blocks for, steady state (best of calls 2 and 3: the allocator
+    # reuses the memory of the previous staging copy, so later calls fault fewer pages). DCP's cached staging
+    # (cache_staged_state_dict) pins memory, so it exists only where CUDA does.
+    variants = [False, True] if torch.cuda.is_available() else [False]
+    for cached in variants:
+        writer = dcp.FileSystemWriter(str(root / "async"), sync_files=True, cache_staged_state_dict=cached)
+        blocks = []
+        for i in range(3):
+            t0 = time.perf_counter()
+            fut = dcp.async_save(tensors, checkpoint_id=str(root / f"async{i}"), storage_writer=writer, no_dist=True)
+            blocks.append(time.perf_counter() - t0)
+            getattr(fut, "upload_completion", fut).result()
+            shutil.rmtree(root / f"async{i}", ignore_errors=True)
+        out[f"async_blocking_s_{'cached' if cached else 'default'}"] = min(blocks[1:])
+        del writer
+    out["async_blocking_s"] = min(v for k, v in out.items() if k.startswith("async_blocking_s_"))
+    return out
+
+
+def _torch_save(state: dict[str, Any], root: Path) -> float:
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "state.pt"
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        torch.save(state["tensors"], f)
+        f.flush()
+        os.fsync(f.fileno())
+    dt = time.perf_counter() - t0
+    path.unlink()
+    return dt
+
+
+def _rss_child(size: int, tensors: int, root: str) -> dict[str, Any]:
+    """Runs in a fresh process: peak RSS of a first and a second async save of the state."""
+    from tierio.ckpt import CheckpointManager, KeepLast, Tier
+
+    state = make_state(size, tensors)
+    nbytes = state_nbytes(state)
+    before = common.rss_bytes()
+    with common.RssSampler(interval=0.001) as rss, CheckpointManager([Tier(root, retention=KeepLast(1))], min_keep=1) as mgr:
+        for step in (1, 2):
+            state["step"] = step
+            mgr.save(step, state).wait()
+    return {"state_bytes": nbytes, "rss_before_save": before, "peak_rss": rss.peak}
+
+
+def _rss(size: int, tensors: int, root: Path) -> dict[str, Any]:
+    r = subprocess.run(
+        [sys.executable, "-m", "tierio.bench.ckpt", "--rss-child", str(size), str(tensors), str(root)],
+        capture_output=True, text=True, check=False,
+    )
+    if r.returncode != 0:
+        raise ConfigError(f"the RSS measurement process failed: {r.stderr.strip()[-800:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    size = parse_size(args.size)
+    if args.repeat < 1:
+        raise ConfigError("--repeat must be at least 1")
+    base = Path(args.dir).expanduser() if args.dir else None
+    if base is not None:
+        base.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="tierio-bench-ckpt-", dir=base))
+    log = (lambda m: print(f"bench ckpt: {m}", file=sys.stderr, flush=True))
+    try:
+        # The RSS child runs first, while this process holds nothing large.
+        log("peak RSS of an async save (separate process)")
+        rss = _rss(size, args.tensors, work / "rss")
+        shutil.rmtree(work / "rss", ignore_errors=True)
+
+        log(f"fio O_DIRECT write/read, {human_bytes(size)} on {work}")
+        (work / "fio").mkdir()
+        fio_write = common.run_fio(work / "fio", "write", size)["bytes_per_s"]
+        fio_read = common.run_fio(work / "fio", "read", size)["bytes_per_s"]
+        shutil.rmtree(work / "fio")
+
+        state = make_state(size, args.tensors)
+        nbytes = state_nbytes(state)
+        log(f"state: {len(state['tensors'])} tensors, {human_bytes(nbytes)}")
+        memcpy_s = _memcpy_seconds(state)
+        log("tierio: async saves and restores")
+        tio = _tierio(state, work / "tierio", args.repeat)
+        shutil.rmtree(work / "tierio", ignore_errors=True)
+        log("torch.distributed.checkpoint: save, load, async_save")
+        dcp_r = _dcp(state, work / "dcp")
+        shutil.rmtree(work / "dcp", ignore_errors=True)
+        log("torch.save + fsync")
+        torch_save_s = _torch_save(state, work / "torch")
+    finally:
+        if not getattr(args, "keep", False):
+            shutil.rmtree(work, ignore_errors=True)
+
+    persist_bw = nbytes / tio["write_s"]
+    ratios = {
+        "persist_vs_fio_write": persist_bw / fio_write,
+        "persist_vs_dcp_save": dcp_r["save_s"] / tio["persist_s"],
+        "persist_vs_torch_save": torch_save_s / tio["persist_s"],
+        "stall_vs_memcpy": memcpy_s / tio["blocking_wall_s"],
+        "stall_vs_dcp_async": dcp_r["async_blocking_s"] / tio["blocking_wall_s"],
+        "restore_vs_fio_read": (nbytes / tio["restore_into_s"]) / fio_read,
+        "restore_vs_dcp_load": dcp_r["load_s"] / tio["restore_into_s"],
+        "rss_overhead": rss["peak_rss"] / (2 * rss["state_bytes"]),
+    }
+    met = common.check_targets(ratios, TARGETS)
+    return {
+        "benchmark": "ckpt",
+        "directory": str(work),
+        "state_bytes": nbytes,
+        "tensors": len(state["tensors"]),
+        "dtypes": ["float32", "bfloat16"],
+        "machine": common.machine_facts(),
+        "ratios": {k: round(v, 3) for k, v in ratios.items()},
+        "targets": {k: f"{op} {v}" for k, (op, v) in TARGETS.items()},
+        "met": met,
+        "fio": {"write_bytes_per_s": fio_write, "read_bytes_per_s": fio_read},
+        "tierio": {**tio, "persist_bytes_per_s": nbytes / tio["persist_s"], "write_bytes_per_s": persist_bw,
+                   "restore_bytes_per_s": nbytes / tio["restore_into_s"]},
+        "dcp": dcp_r,
+        "torch_save_fsync_s": torch_save_s,
+        "memcpy_s": memcpy_s,
+        "rss": rss,
+        "extra_ratios": {
+            "persist_vs_fio_write_end_to_end": (nbytes / tio["persist_s"]) / fio_write,
+            "restore_alloc_vs_fio_read": (nbytes / tio["restore_alloc_s"]) / fio_read,
+            "rss_overhead_excluding_interpreter":
+                (rss["peak_rss"] - (rss["rss_before_save"] - rss["state_bytes"])) / (2 * rss["state_bytes"]),
+        },
+    }
+
+
+if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "--rss-child":
+    print(json.dumps(_rss_child(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))

@@ -1,0 +1,240 @@
+"""`tierio bench weights`: cold weight loads against fio, safetensors, torch.load and `aws s3 cp`.
+
+One run on one machine. A model of ``--size`` bytes (default 2 GiB) in ``--shards`` safetensors
+files is written to ``--dir``; the page cache is dropped before every cold measurement
+(POSIX_FADV_DONTNEED on each file, plus /proc/sys/vm/drop_caches when running as root).
+
+Peers, all measured here, now:
+* fio O_DIRECT sequential read (8 MiB blocks, queue depth 8, libaio) of the same size in the same
+  directory: the disk's limit.
+* safetensors.torch.load_file over all shards. Its default "mmap" backend returns before the bytes
+  are read (pages fault in on first use), so it is measured materialized: with the "pread"
+  backend, and with the mmap backend plus one touch per page. The faster of the two is the peer.
+* torch.load of the same tensors saved with torch.save (one file per shard).
+* S3 (a local SeaweedFS): `aws s3 cp --recursive` then a tierio load of the copy, against a
+  tierio load through a fresh WeightCache (download, cache fill and load pipelined).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tierio.io import pagecache
+from tierio.units import parse_size
+from tierio.weights import LoadStats, WeightCache, load
+from tierio.weights.loader import cpu_time
+
+MiB = 1 << 20
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--size", default="2GiB", help="model size (default 2GiB; use e.g. 256MiB for a quick run)")
+    p.add_argument("--shards", type=int, default=4, help="number of safetensors shards (default 4)")
+    p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir under /tmp)")
+    p.add_argument("--no-s3", action="store_true", help="skip the S3 / weight-cache part")
+    p.add_argument("--no-torch-load", action="store_true", help="skip the torch.load peer")
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def drop_caches(paths) -> bool:
+    """Drop the page cache of ``paths`` (files or directories); True when the global drop worked too."""
+    for p in paths:
+        p = Path(p)
+        files = [f for f in p.rglob("*") if f.is_file()] if p.is_dir() else [p]
+        for f in files:
+            try:
+                pagecache.evict(f)
+            except OSError:
+                pass
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("1")
+        return True
+    except OSError:
+        return False
+
+
+def run_fio(directory: Path, size: int) -> float:
+    """fio O_DIRECT sequential read bytes/s of ``size`` bytes in ``directory``."""
+    try:
+        from tierio.bench import common  # the project's shared helper, when present
+
+        return float(common.run_fio(directory, "read", size, bs="8M", iodepth=8))
+    except (ImportError, AttributeError):
+        pass
+    name = "tierio-weights-fio"
+    cmd = ["fio", f"--name={name}", f"--directory={directory}", "--direct=1", "--rw=read", "--bs=8M", "--iodepth=8",
+           "--ioengine=libaio", f"--size={size}", "--numjobs=1", "--output-format=json"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        return float(json.loads(out[out.index("{"):])["jobs"][0]["read"]["bw_bytes"])
+    finally:
+        for f in directory.glob(f"{name}*"):
+            f.unlink()
+
+
+def make_model(directory: Path, size: int, shards: int) -> list[Path]:
+    """Shards of bf16 matrices (plus an fp32 and an odd-sized int8 tensor each), random contents."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    per = size // shards
+    files = []
+    index = {}
+    for i in range(shards):
+        tensors: dict[str, torch.Tensor] = {}
+        left, j = per - 4 * 4097 - 1001, 0
+        while left > 0:
+            rows = min(4096, max(1, left // (2 * 4096)))
+            raw = rng.integers(0, 1 << 16, size=rows * 4096, dtype=np.uint16)
+            tensors[f"layers.{i}.w{j}"] = torch.from_numpy(raw).view(torch.bfloat16).view(rows, 4096)
+            left -= rows * 4096 * 2
+            j += 1
+        tensors[f"layers.{i}.bias"] = torch.from_numpy(rng.standard_normal(4097, dtype=np.float32))
+        tensors[f"layers.{i}.odd"] = torch.from_numpy(rng.integers(-128, 127, 1001, dtype=np.int8))
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file(tensors, str(directory / name))
+        index.update({k: name for k in tensors})
+        files.append(directory / name)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    return files
+
+
+def _timed(fn, drop_paths) -> tuple[object, float, float]:
+    drop_caches(drop_paths)
+    t0, c0 = time.perf_counter(), cpu_time()
+    out = fn()
+    return out, time.perf_counter() - t0, cpu_time() - c0
+
+
+def _touch(tensors: dict[str, torch.Tensor]) -> None:
+    for t in tensors.values():
+        if t.numel():
+            t.reshape(-1).view(torch.uint8)[::4096].sum()  # one read per page faults every page in
+
+
+# -- the benchmark -----------------------------------------------------------------------------
+def run(args) -> dict:
+    size = parse_size(args.size)
+    base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="tierio-bench-weights-"))
+    own = args.dir is None
+    work = base / "tierio-bench-weights"
+    shutil.rmtree(work, ignore_errors=True)
+    model = work / "model"
+    try:
+        files = make_model(model, size, max(1, args.shards))
+        nbytes = sum(f.stat().st_size for f in files)
+        gb = nbytes / 1e9
+        res: dict = {"bench": "weights", "model_bytes": nbytes, "shards": len(files), "dir": str(model)}
+        res["fio_read_bytes_per_s"] = fio = run_fio(work, nbytes)
+
+        # tierio cold load to CPU
+        st = LoadStats()
+        out, secs, cpu = _timed(lambda: load(model, stats=st), [model])
+        del out
+        res["tierio"] = {"seconds": secs, "bytes_per_s": nbytes / secs, "cpu_s_per_gb": cpu / gb, "stats": st.to_dict()}
+
+        # safetensors, materialized
+        from safetensors.torch import load_file
+
+        def st_pread():
+            return {k: v for f in files for k, v in load_file(f, backend="pread").items()}
+
+        def st_mmap_touched():
+            d = {k: v for f in files for k, v in load_file(f).items()}
+            _touch(d)
+            return d
+
+        peers = {}
+        for label, fn in (("pread", st_pread), ("mmap+touch", st_mmap_touched)):
+            out, s, c = _timed(fn, [model])
+            del out
+            peers[label] = {"seconds": s, "bytes_per_s": nbytes / s, "cpu_s_per_gb": c / gb}
+        _, lazy_s, _ = _timed(lambda: {k: v for f in files for k, v in load_file(f).items()}, [model])
+        best = min(peers.values(), key=lambda p: p["seconds"])
+        best_cpu = min(p["cpu_s_per_gb"] for p in peers.values())
+        res["safetensors"] = {**peers, "mmap_lazy_seconds_not_a_load": lazy_s}
+
+        ratios = {
+            "load_vs_fio_read": (nbytes / secs) / fio,
+            "load_vs_safetensors": best["seconds"] / secs,
+            "cpu_per_gb_vs_safetensors": best_cpu / (cpu / gb),
+        }
+
+        if not args.no_torch_load:
+            pt_dir = work / "pt"
+            pt_dir.mkdir()
+            pts = []
+            for f in files:
+                pt = pt_dir / (f.stem + ".pt")
+                torch.save(load_file(f, backend="pread"), pt)
+                pts.append(pt)
+            out, s, c = _timed(lambda: {k: v for p in pts for k, v in torch.load(p, weights_only=True).items()}, [pt_dir])
+            del out
+            res["torch_load"] = {"seconds": s, "bytes_per_s": nbytes / s, "cpu_s_per_gb": c / gb}
+            ratios["load_vs_torch_load"] = s / secs
+            shutil.rmtree(pt_dir)
+
+        if not args.no_s3:
+            res["s3"] = s3 = _bench_s3(work, model, files, nbytes, fio)
+            ratios["s3_cold_vs_download_then_load"] = s3["download_then_load_seconds"] / s3["cache_cold_seconds"]
+            ratios["warm_cache_load_vs_fio_read"] = s3["cache_warm_bytes_per_s"] / fio
+        res["ratios"] = {k: round(v, 3) for k, v in ratios.items()}
+        return res
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if own:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def _bench_s3(work: Path, model: Path, files: list[Path], nbytes: int, fio: float) -> dict:
+    from tierio.storage import S3Store, open_store
+    from tierio.storage.seaweed import SeaweedServer
+
+    out: dict = {}
+    (work / "seaweed").mkdir(parents=True, exist_ok=True)
+    with SeaweedServer(work / "seaweed") as server:
+        env = {**os.environ, **server.env()}
+        os.environ.update(server.env())
+        S3Store("weights", endpoint=server.endpoint).create_bucket()
+        url = server.url("weights/model")
+        store = open_store(url)
+        for f in sorted(model.iterdir()):
+            store.put_file(f.name, f)
+
+        # peer: aws s3 cp, then a tierio load of the local copy
+        copy = work / "aws-copy"
+        drop_caches([work])
+        t0 = time.perf_counter()
+        subprocess.run(["aws", "s3", "cp", "--recursive", "--only-show-errors", "--endpoint-url", server.endpoint,
+                        "s3://weights/model", str(copy)], check=True, env=env)
+        dl = time.perf_counter() - t0
+        st = LoadStats()
+        loaded, ld, _ = _timed(lambda: load(copy, stats=st), [work])
+        del loaded
+        out.update(download_seconds=dl, download_bytes_per_s=nbytes / dl, local_load_seconds=ld, download_then_load_seconds=dl + ld)
+        shutil.rmtree(copy)
+
+        # tierio through a fresh cache: download + fill + load pipelined
+        cache = WeightCache(work / "cache", 4 * nbytes)
+        st = LoadStats()
+        loaded, s, c = _timed(lambda: cache.load(url, stats=st), [work])
+        del loaded
+        out.update(cache_cold_seconds=s, cache_cold_bytes_per_s=nbytes / s, cache_cold_cpu_s_per_gb=c / (nbytes / 1e9), cache_cold_stats=st.to_dict())
+
+        st = LoadStats()
+        loaded, s, c = _timed(lambda: cache.load(url, stats=st), [work])
+        del loaded
+        out.update(cache_warm_seconds=s, cache_warm_bytes_per_s=nbytes / s, cache_warm_cpu_s_per_gb=c / (nbytes / 1e9), cache_warm_stats=st.to_dict())
+        store.close()
+    return out

@@ -1,0 +1,16 @@
+"""Asynchronous, tiered, verified checkpoints (see docs/checkpoints.md)."""
+
+from tierio.ckpt.manager import CheckpointManager, SaveHandle, delete_step
+from tierio.ckpt.ops import CheckpointInfo, gc, inspect, list_checkpoints, promote, verify
+from tierio.ckpt.reader import Problem, VerifyReport
+from tierio.ckpt.retention import AllOf, AnyOf, KeepAll, KeepEvery, KeepLast, KeepWithin, Retention, gc_plan, parse_retention
+from tierio.ckpt.rng import rng_state, set_rng_state
+from tierio.ckpt.tier import Tier
+
+__all__ = [
+    "CheckpointManager", "SaveHandle", "Tier", "delete_step",
+    "Retention", "KeepLast", "KeepEvery", "KeepWithin", "KeepAll", "AnyOf", "AllOf", "parse_retention", "gc_plan",
+    "VerifyReport", "Problem", "CheckpointInfo",
+    "list_checkpoints", "inspect", "verify", "promote", "gc",
+    "rng_state", "set_rng_state",
+]

@@ -1,0 +1,697 @@
+"""CheckpointManager: asynchronous, tiered, verified checkpoints.
+
+Pipeline of one ``save(step, state)``:
+
+1. *stage* (the only part the caller waits for): flatten the state, lay out the shard, copy the
+   header and every tensor into a reused, pre-faulted staging buffer (pinned, on a side CUDA
+   stream, where a GPU exists);
+2. *persist* (background thread): xxh3 per chunk from memory, one large O_DIRECT write of the
+   shard to tier 0 (temp + fsync + rename), a per-rank manifest fragment; rank 0 waits for every
+   rank's fragment and commits ``manifest.json`` last. The staging buffer is free again as soon
+   as the shard is written;
+3. *promote* (second background thread): copy the same bytes to each slower tier, verifying every
+   chunk, under the promotion bandwidth limit; rank 0 commits each tier's manifest once all shards
+   are there. A failed promotion leaves the faster copies in place and is retried later.
+
+Retention runs after each commit on rank 0 (see retention.gc_plan for the safety rules).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tierio.errors import ConfigError, DiskFullError, FormatError, IntegrityError, NotFoundError, StorageError
+from tierio.format.manifest import ChunkInfo, Manifest, RankEntry, TensorInfo, encode_fragment, parse_fragment, utc_now
+from tierio.format.shard import (
+    MANIFEST,
+    fragment_key,
+    manifest_key,
+    plan_shard,
+    shard_key,
+    shard_name,
+    stage_into,
+    step_dir,
+)
+from tierio.format.statetree import flatten
+from tierio.io.buffers import HostBuffer, align_up
+from tierio.io.checksum import xxh3
+from tierio.io.durable import is_temp
+from tierio.io.limiter import TokenBucket
+from tierio.storage.base import Store, read_bytes
+from tierio.units import human_bytes, parse_size
+
+from tierio.ckpt.copy import BufferSlot, CopyStats, commit_copy, copy_shard, shards_present
+from tierio.ckpt.reader import (
+    VerifyReport,
+    committed_steps,
+    load_rank,
+    read_manifest,
+    step_dirs,
+    verify_copy,
+    where,
+)
+from tierio.ckpt.retention import gc_plan, wanted
+from tierio.ckpt.tier import Tier, as_tier, capacity, open_tier_store
+
+log = logging.getLogger("tierio.ckpt")
+
+CAPACITY_WARN = 0.80
+_POLL = 0.02
+
+
+@dataclass
+class SaveHandle:
+    """Completion handles of one save: ``staged`` (state copied, the caller may go on),
+    ``persisted`` (tier 0 durable and committed), ``promoted`` (every slower tier committed)."""
+
+    step: int
+    staged: Future = field(default_factory=Future)
+    persisted: Future = field(default_factory=Future)
+    promoted: Future = field(default_factory=Future)
+    blocking_seconds: float = 0.0  # time save() held the caller, waiting included
+    wait_seconds: float = 0.0  # part of it spent waiting for the previous persist
+    bytes: int = 0
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for every stage; raises the first failure."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for f in (self.staged, self.persisted, self.promoted):
+            f.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def done(self) -> bool:
+        return self.promoted.done() and self.persisted.done()
+
+
+@dataclass
+class _TierState:
+    tier: Tier
+    store: Store
+    bytes: int = 0
+    seconds: float = 0.0
+    files: int = 0
+    warned_capacity: bool = False
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+
+class CheckpointManager:
+    """Asynchronous tiered checkpoints. ``tiers`` go from fastest to slowest (URLs, Stores or Tier)."""
+
+    def __init__(
+        self,
+        tiers: Sequence[str | Tier | Store],
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        process_group: Any = None,
+        memory_budget: int | str | None = None,
+        double_buffer: bool = False,
+        promote_bandwidth: float | str | None = None,
+        min_keep: int = 3,
+        commit_timeout: float = 600.0,
+    ) -> None:
+        if isinstance(tiers, (str, Tier)) or not tiers:
+            raise ConfigError("CheckpointManager needs a list of tiers, fastest first, e.g. ['/nvme/ckpt', 's3://bucket/run1']")
+        rate = parse_size(promote_bandwidth) if isinstance(promote_bandwidth, str) else promote_bandwidth
+        self.limiter = TokenBucket(rate, burst=max(1 << 20, (rate or 0) / 4)) if rate else None
+        self._tiers: list[_TierState] = []
+        for i, t in enumerate(tiers):
+            tier = as_tier(t)
+            self._tiers.append(_TierState(tier, open_tier_store(tier, self.limiter if i > 0 else None)))
+        self.rank, self.world_size = _rank_world(rank, world_size, process_group)
+        self.memory_budget = parse_size(memory_budget) if memory_budget is not None else None
+        self.slots = 2 if double_buffer else 1
+        self.min_keep = min_keep
+        self.commit_timeout = commit_timeout
+        self.restored_step: int | None = None
+
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._free: list[HostBuffer] = []
+        self._busy = 0  # staging buffers handed to a persist
+        self._allocated = 0
+        self._allocations = 0  # staging buffers created so far (steady state: no new ones)
+        self._error: BaseException | None = None
+        self._handles: list[SaveHandle] = []
+        self._inflight: set[int] = set()
+        self._pending: set[int] = set()  # steps whose promotion failed and waits for a retry
+        self._saves: list[dict] = []
+        self._closed = False
+        self._warned_min_keep = False
+        self._stream = None
+        self._gc_lock = threading.Lock()
+        self._promo_slot = BufferSlot()
+        self._find_unpromoted()
+        self._persist_pool = ThreadPoolExecutor(1, thread_name_prefix="tierio-ckpt-persist")
+        self._promote_pool = ThreadPoolExecutor(1, thread_name_prefix="tierio-ckpt-promote")
+
+    # -- public API ------------------------------------------------------------------------------
+    @property
+    def tiers(self) -> list[str]:
+        return [t.url for t in self._tiers]
+
+    def save(self, step: int, state: Any) -> SaveHandle:
+        """Snapshot ``state`` into staging memory and return; persist and promotion run behind."""
+        t0 = time.perf_counter()
+        self._check_open()
+        self._raise_background_error()
+        step_dir(step)  # validates the number
+        with self._lock:
+            if step in self._inflight:
+                raise ConfigError(f"step {step} is already being saved; wait for it or use another step number")
+        if self._tiers[0].store.exists(manifest_key(step)):
+            raise ConfigError(
+                f"step {step} already has a committed checkpoint on {self._tiers[0].url}; checkpoints are immutable: "
+                "use a new step number or delete the old one first"
+            )
+        flat = flatten(state)
+        meta = {"tierio.step": str(step), "tierio.rank": str(self.rank), "tierio.world_size": str(self.world_size)}
+        layout = plan_shard(flat.tensors, meta)
+        need = layout.total_bytes
+        if self.memory_budget is not None and align_up(need) > self.memory_budget:
+            raise ConfigError(
+                f"rank {self.rank}'s shard for step {step} needs {human_bytes(need)} of staging memory, above "
+                f"memory_budget={human_bytes(self.memory_budget)}; raise the budget"
+            )
+        handle = SaveHandle(step, bytes=need)
+        tw = time.perf_counter()
+        buf = self._take_buffer(need)  # waits while the previous persist still owns the buffers
+        handle.wait_seconds = time.perf_counter() - tw
+        try:
+            self._raise_background_error()
+            self._check_space(need, step)
+            with self._lock:
+                self._inflight.add(step)
+            self._stage(layout, flat.tensors, buf)
+        except BaseException:
+            with self._lock:
+                self._inflight.discard(step)
+            self._give_back(buf)
+            raise
+        handle.blocking_seconds = time.perf_counter() - t0
+        handle.staged.set_result(step)
+        with self._lock:
+            self._handles.append(handle)
+            self._saves.append({"step": step, "bytes": need, "blocking_seconds": handle.blocking_seconds,
+                                "wait_seconds": handle.wait_seconds})
+        self._persist_pool.submit(self._persist, handle, layout, flat.tree, flat.tensors, buf)
+        return handle
+
+    def restore(self, step: int | None = None, into: Any = None) -> Any:
+        """Restore ``step`` (default: the latest committed) from the fastest tier with a good copy.
+
+        A copy with a missing file or a checksum mismatch is skipped with a warning naming it, and
+        the next tier is tried. With ``into=``, tensors are filled in place where shapes match."""
+        self._check_open()
+        candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
+        if not candidates:
+            raise NotFoundError(f"no committed checkpoint on any tier ({', '.join(self.tiers)})")
+        failures: list[str] = []
+        for s in candidates:
+            for ts in self._tiers:
+                try:
+                    if not ts.store.exists(manifest_key(s)):
+                        continue
+                    man = read_manifest(ts.store, s)
+                    if man.world_size != self.world_size:
+                        raise ConfigError(
+                            f"step {s} on {ts.url} was saved by {man.world_size} ranks, this job has {self.world_size}; "
+                            "restore with the same world size (resharding is not supported yet)"
+                        )
+                    state = load_rank(ts.store, man, self.rank, into)
+                    self.restored_step = s
+                    if failures:
+                        log.warning("restored step %d from %s after: %s", s, ts.url, "; ".join(failures))
+                    return state
+                except ConfigError:
+                    raise
+                except (FormatError, IntegrityError, StorageError) as exc:
+                    msg = f"copy of step {s} on {ts.url} is unusable: {exc}"
+                    warnings.warn(msg + "; trying the next tier", stacklevel=2)
+                    log.warning("%s", msg)
+                    failures.append(msg)
+            if step is None and s != candidates[-1]:
+                warnings.warn(f"no valid copy of step {s} on any tier; falling back to an older step", stacklevel=2)
+        raise IntegrityError(
+            f"no valid copy of step {candidates[0] if step is not None else 'any'} on any tier: " + "; ".join(failures or ["none found"])
+        )
+
+    def steps(self) -> list[int]:
+        """Committed steps on any tier (an unreachable tier is skipped with a warning)."""
+        out: set[int] = set()
+        for ts in self._tiers:
+            try:
+                out.update(committed_steps(ts.store))
+            except StorageError as exc:
+                log.warning("cannot list %s: %s", ts.url, exc)
+        return sorted(out)
+
+    def latest(self) -> int | None:
+        s = self.steps()
+        return s[-1] if s else None
+
+    def verify(self, step: int | None = None) -> VerifyReport:
+        """Check every tier's copy of ``step`` (default: latest) byte for byte."""
+        step = self.latest() if step is None else step
+        if step is None:
+            raise NotFoundError(f"no committed checkpoint on any tier ({', '.join(self.tiers)})")
+        report = VerifyReport(step)
+        for ts in self._tiers:
+            verify_copy(ts.store, step, report)
+        return report
+
+    def promote(self, step: int | None = None) -> None:
+        """Promote ``step`` (default: every pending step and the latest) to all slower tiers now; raises on failure."""
+        self._check_open()
+        if len(self._tiers) < 2:
+            return
+        steps = sorted(self._pending) + ([step] if step is not None else [])
+        if step is None:
+            latest = committed_steps(self._tiers[0].store)
+            if latest:
+                steps.append(latest[-1])
+        self._promote_pool.submit(self._promote_steps, sorted(set(steps)), None, True).result()
+
+    def gc(self) -> list[tuple[str, int]]:
+        """Apply retention to every tier now; returns the (tier url, step) copies deleted."""
+        if self.rank != 0:
+            return []
+        return self._gc()
+
+    def wait(self) -> None:
+        """Wait for every save in flight (persist and promotion); raises a background persist failure."""
+        with self._lock:
+            handles = list(self._handles)
+        for h in handles:
+            try:
+                h.persisted.exception()
+                h.promoted.exception()
+            except BaseException:  # noqa: BLE001 - surfaced below through _error
+                pass
+        with self._lock:
+            self._handles = [h for h in self._handles if not h.done()]
+        self._raise_background_error()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._persist_pool.shutdown(wait=True)
+            self._promote_pool.shutdown(wait=True)
+            if self._pending:
+                log.warning("steps %s were not promoted to every tier; their faster copies remain", sorted(self._pending))
+            for ts in self._tiers:
+                try:
+                    ts.store.close()
+                except Exception:  # noqa: BLE001 - closing must not hide the real error
+                    pass
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            try:
+                self.close()
+            except Exception as err:  # noqa: BLE001 - do not mask the exception already raised
+                log.warning("while closing after an error: %s", err)
+
+    def stats(self) -> dict:
+        with self._lock:
+            saves = [dict(s) for s in self._saves]
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "staging_bytes": self._allocated,
+            "staging_allocations": self._allocations,
+            "tiers": [
+                {"url": t.url, "bytes_written": t.bytes, "seconds": t.seconds, "files": t.files,
+                 "gb_per_s": t.bytes / t.seconds / 1e9 if t.seconds else 0.0}
+                for t in self._tiers
+            ],
+            "saves": saves,
+            "pending_promotions": sorted(self._pending),
+        }
+
+    # -- staging ---------------------------------------------------------------------------------
+    def _take_buffer(self, need: int) -> HostBuffer:
+        with self._cond:
+            while True:
+                fits = [b for b in self._free if b.capacity >= need]
+                if fits and self._busy < self.slots:
+                    buf = min(fits, key=lambda b: b.capacity)
+                    self._free.remove(buf)
+                    self._busy += 1
+                    return buf
+                if self._busy < self.slots:
+                    room = self.memory_budget is None or self._allocated + align_up(need) <= self.memory_budget
+                    if self._free and (len(self._free) + self._busy >= self.slots or not room):
+                        small = self._free.pop(0)  # too small for this state: let it go
+                        self._allocated -= small.capacity
+                        continue
+                    if room:
+                        self._busy += 1
+                        self._allocated += align_up(need)
+                        self._allocations += 1
+                        break
+                if self._error is not None:
+                    raise self._pop_error()
+                self._cond.wait()
+        try:
+            return HostBuffer(need)
+        except BaseException:
+            with self._cond:
+                self._busy -= 1
+                self._allocated -= align_up(need)
+                self._cond.notify_all()
+            raise
+
+    def _give_back(self, buf: HostBuffer) -> None:
+        with self._cond:
+            self._busy -= 1
+            self._free.append(buf)
+            self._cond.notify_all()
+
+    def _stage(self, layout, tensors: dict[str, torch.Tensor], buf: HostBuffer) -> None:
+        cuda = any(t.is_cuda for t in tensors.values())
+        stream = None
+        if cuda and torch.cuda.is_available():
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            stream = self._stream
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad():
+            stage_into(layout, tensors, buf.tensor(), stream)
+        if stream is not None:
+            stream.synchronize()
+
+    def _check_space(self, need: int, step: int) -> None:
+        ts = self._tiers[0]
+        cap = capacity(ts.store)
+        if cap is None:
+            return
+        total, free = cap
+        if free < need + (1 << 20):
+            raise DiskFullError(
+                f"tier 0 ({ts.url}) has {human_bytes(free)} free but step {step} needs {human_bytes(need)} on rank "
+                f"{self.rank}: free space, keep fewer checkpoints there (retention) or point the tier elsewhere; "
+                "earlier checkpoints are intact"
+            )
+        used = (total - free + need) / total if total else 0.0
+        if used >= CAPACITY_WARN and not ts.warned_capacity:
+            ts.warned_capacity = True
+            warnings.warn(f"{ts.url} will be {used:.0%} full after step {step}; tighten retention or add space", stacklevel=3)
+        elif used < CAPACITY_WARN:
+            ts.warned_capacity = False
+
+    # -- background: persist ---------------------------------------------------------------------
+    def _persist(self, handle: SaveHandle, layout, tree: Any, tensors: dict[str, torch.Tensor], buf: HostBuffer) -> None:
+        step = handle.step
+        t0 = self._tiers[0]
+        released = False
+        try:
+            view = buf.view[: layout.total_bytes]
+            fname = shard_name(self.rank)
+            entry_tensors = {}
+            for name, e in layout.header.tensors.items():
+                chunks = [
+                    ChunkInfo(fname, c.begin, c.end, (c.row0,) + (0,) * (len(e.shape) - 1) if e.shape else (), c.shape,
+                              xxh3(view[c.begin : c.end]))
+                    for c in layout.chunks[name]
+                ]
+                entry_tensors[name] = TensorInfo(name, e.dtype, e.shape, chunks)
+            entry = RankEntry(self.rank, fname, layout.total_bytes, tree, entry_tensors)
+            start = time.perf_counter()
+            t0.store.put_buffers(shard_key(step, self.rank), [view])
+            self._account(t0, layout.total_bytes, time.perf_counter() - start)
+            self._give_back(buf)
+            released = True
+            if self.world_size == 1:
+                self._commit(t0.store, step, entry)
+            elif self.rank == 0:
+                t0.store.put_buffers(fragment_key(step, self.rank), [encode_fragment(step, self.world_size, entry)])
+                self._commit(t0.store, step)
+            else:
+                t0.store.put_buffers(fragment_key(step, self.rank), [encode_fragment(step, self.world_size, entry)])
+                self._await(lambda: t0.store.exists(manifest_key(step)), f"rank 0 to commit step {step} on {t0.url}")
+            with self._lock:
+                self._saves_update(step, persist_seconds=time.perf_counter() - start)
+            handle.persisted.set_result(step)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the handle
+            if not released:
+                self._give_back(buf)
+            self._cleanup_failed(step)
+            with self._cond:
+                self._inflight.discard(step)
+                if self._error is None:
+                    self._error = exc
+                self._cond.notify_all()
+            handle.persisted.set_exception(exc)
+            handle.promoted.set_exception(exc)
+            log.error("checkpoint of step %d failed: %s", step, exc)
+            return
+        if len(self._tiers) > 1:
+            self._promote_pool.submit(self._promote_steps, sorted(self._pending) + [step], handle, False)
+        else:
+            with self._lock:
+                self._inflight.discard(step)
+            self._maybe_gc()
+            handle.promoted.set_result(step)
+
+    def _commit(self, store: Store, step: int, own: RankEntry | None = None) -> None:
+        """Rank 0: wait for every rank's fragment, merge them into the manifest, write it last."""
+        entries: list[RankEntry | None] = [None] * self.world_size
+        if own is not None:
+            entries[0] = own
+
+        def all_there() -> bool:
+            for r in range(self.world_size):
+                if entries[r] is None and store.exists(fragment_key(step, r)):
+                    key = fragment_key(step, r)
+                    entries[r] = parse_fragment(read_bytes(store, key), where(store, key), step, self.world_size)
+            return all(e is not None for e in entries)
+
+        self._await(all_there, f"every rank's shard of step {step} on {store.url}")
+        stamp, ts = utc_now()
+        man = Manifest(step, self.world_size, [e for e in entries if e is not None], stamp, ts)
+        store.put_buffers(manifest_key(step), [man.encode()])
+        for r in range(self.world_size if own is None else 0):  # the manifest now holds them
+            try:
+                store.delete(fragment_key(step, r))
+            except StorageError:
+                pass
+
+    def _await(self, ready, what: str) -> None:
+        deadline = time.monotonic() + self.commit_timeout
+        delay = _POLL
+        while not ready():
+            if time.monotonic() > deadline:
+                raise StorageError(f"timed out after {self.commit_timeout:.0f}s waiting for {what}; did a rank die?")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.5)
+
+    def _cleanup_failed(self, step: int) -> None:
+        """Remove this rank's partial files of a failed step (frees space after a full disk)."""
+        store = self._tiers[0].store
+        for key in (shard_key(step, self.rank), fragment_key(step, self.rank)):
+            try:
+                if not store.exists(manifest_key(step)):
+                    store.delete(key)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+
+    # -- background: promotion -------------------------------------------------------------------
+    def _promote_steps(self, steps: list[int], handle: SaveHandle | None, strict: bool) -> None:
+        """Runs on the promotion thread: promote each step to every slower tier."""
+        last_exc: BaseException | None = None
+        done: list[int] = []
+        for step in steps:
+            try:
+                self._promote_one(step)
+                with self._lock:
+                    self._pending.discard(step)
+                done.append(step)
+            except BaseException as exc:  # noqa: BLE001 - a retry comes with the next save
+                last_exc = exc
+                with self._lock:
+                    self._pending.add(step)
+                msg = f"promotion of step {step} failed ({exc}); the faster copy stays and promotion will be retried"
+                log.warning("%s", msg)
+                if not strict:
+                    warnings.warn(msg, stacklevel=1)
+                if handle is not None and step == handle.step:
+                    handle.promoted.set_exception(exc)
+        if handle is not None:
+            with self._lock:
+                self._inflight.discard(handle.step)
+        self._maybe_gc()
+        if handle is not None and handle.step in done:
+            handle.promoted.set_result(handle.step)
+        if strict and last_exc is not None:
+            raise last_exc
+
+    def _promote_one(self, step: int) -> None:
+        src = None
+        for ts in self._tiers:
+            if ts.store.exists(manifest_key(step)):
+                src = ts
+                break
+        if src is None:
+            raise NotFoundError(f"step {step} has no committed copy on any tier; nothing to promote")
+        man = read_manifest(src.store, step)
+        entry = man.ranks[self.rank]
+        for dst in self._tiers[self._tiers.index(src) + 1 :]:
+            if dst.store.exists(manifest_key(step)):
+                continue
+            stats: CopyStats = copy_shard(src.store, dst.store, step, entry, self._promo_slot, self.limiter)
+            self._account(dst, stats.bytes, stats.seconds)
+            if self.rank == 0:
+                self._await(lambda: shards_present(dst.store, step, man.ranks), f"every rank's shard of step {step} on {dst.url}")
+                commit_copy(src.store, dst.store, step)
+            else:
+                self._await(lambda: dst.store.exists(manifest_key(step)), f"rank 0 to commit step {step} on {dst.url}")
+
+    def _find_unpromoted(self) -> None:
+        """Steps committed on a faster tier that a slower tier still wants (a promotion was cut short
+        by a crash or an outage) join the retry list; the next save's promotion picks them up."""
+        if len(self._tiers) < 2:
+            return
+        try:
+            held = [set(committed_steps(ts.store)) for ts in self._tiers]
+        except StorageError as exc:
+            log.warning("cannot look for unpromoted checkpoints: %s", exc)
+            return
+        for i, ts in enumerate(self._tiers[:-1]):
+            for step in held[i]:
+                for j in range(i + 1, len(self._tiers)):
+                    if step in held[j]:
+                        continue
+                    policy = self._tiers[j].tier.retention
+                    if wanted({s: 0.0 for s in held[j]}, policy, step, time.time()):
+                        self._pending.add(step)
+                        break
+
+    # -- retention -------------------------------------------------------------------------------
+    def _maybe_gc(self) -> None:
+        if self.rank != 0 or all(t.tier.retention is None for t in self._tiers):
+            return
+        try:
+            self._gc()
+        except Exception as exc:  # noqa: BLE001 - retention must never fail a save
+            log.warning("garbage collection failed: %s", exc)
+
+    def _gc(self) -> list[tuple[str, int]]:
+        with self._gc_lock:
+            held: list[dict[int, float]] = []
+            for ts in self._tiers:
+                steps = {}
+                try:
+                    for s in committed_steps(ts.store):
+                        steps[s] = ts.store.stat(manifest_key(s)).mtime
+                except StorageError as exc:
+                    log.warning("retention skipped %s: %s", ts.url, exc)
+                    steps = {}
+                held.append(steps)
+            with self._lock:
+                protected = set(self._inflight) | set(self._pending)
+            plan = gc_plan(held, [t.tier.retention for t in self._tiers], min_keep=self.min_keep,
+                           protected=protected, names=self.tiers)
+            for w in plan.warnings:
+                if not self._warned_min_keep:  # once per manager; the log keeps every instance
+                    warnings.warn(w, stacklevel=2)
+                log.info("%s", w)
+            self._warned_min_keep = self._warned_min_keep or bool(plan.warnings)
+            deleted = []
+            for i, step in plan.delete:
+                delete_step(self._tiers[i].store, step)
+                deleted.append((self._tiers[i].url, step))
+            # Directories of steps older than the newest commit that never got a manifest are garbage.
+            for ts, steps in zip(self._tiers, held):
+                if not steps:
+                    continue
+                try:
+                    for s, keys in step_dirs(ts.store).items():
+                        if s < max(steps) and s not in steps and s not in protected:
+                            delete_step(ts.store, s, keys)
+                except StorageError:
+                    pass
+            return deleted
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _account(self, ts: _TierState, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            ts.bytes += nbytes
+            ts.seconds += seconds
+            ts.files += 1
+
+    def _saves_update(self, step: int, **kw: Any) -> None:
+        for s in reversed(self._saves):
+            if s["step"] == step:
+                s.update(kw)
+                return
+
+    def _pop_error(self) -> BaseException:
+        err, self._error = self._error, None
+        assert err is not None
+        return err
+
+    def _raise_background_error(self) -> None:
+        with self._lock:
+            err = self._pop_error() if self._error is not None else None
+        if err is not None:
+            raise err
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("this CheckpointManager is closed")
+
+
+def delete_step(store: Store, step: int, keys: list[str] | None = None) -> None:
+    """Delete one step's copy: the manifest first (it stops being a checkpoint), then the rest."""
+    prefix = step_dir(step) + "/"
+    store.delete(prefix + MANIFEST)
+    for key in keys if keys is not None else store.list(prefix):
+        if key != prefix + MANIFEST:
+            store.delete(key)
+    root = getattr(store, "root", None)
+    if root is not None:  # temp files of writes that died half way are invisible to list()
+        d = os.path.join(root, step_dir(step))
+        try:
+            for name in os.listdir(d):
+                if is_temp(name):
+                    os.unlink(os.path.join(d, name))
+            os.rmdir(d)
+        except OSError:
+            pass
+
+
+def _rank_world(rank: int | None, world_size: int | None, group: Any) -> tuple[int, int]:
+    if rank is None or world_size is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank(group) if rank is None else rank
+            world_size = dist.get_world_size(group) if world_size is None else world_size
+        else:
+            rank = 0 if rank is None else rank
+            world_size = 1 if world_size is None else world_size
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank} is outside world size {world_size}")
+    return rank, world_size

@@ -1,0 +1,119 @@
+"""Operations on one tier URL, for the command line and scripts (no manager needed).
+
+    list_checkpoints(url)            -> [CheckpointInfo]   committed steps, newest last
+    inspect(url, step=None)          -> Manifest           (latest when step is None)
+    verify(url, step=None)           -> VerifyReport       every chunk of every shard
+    promote(src_url, dst_url, step)  -> CopyStats          same bytes, verified, manifest last
+    gc(url, retention, min_keep=3)   -> [int]              steps deleted (dry_run=True: would delete)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tierio.errors import NotFoundError, TierioError
+from tierio.format.manifest import Manifest
+from tierio.format.shard import manifest_key, step_dir
+from tierio.io.limiter import TokenBucket
+from tierio.storage.base import Store
+from tierio.storage.url import open_store
+from tierio.units import parse_size
+
+from tierio.ckpt.copy import CopyStats, copy_step
+from tierio.ckpt.reader import VerifyReport, committed_steps, read_manifest, step_dirs, verify_copy
+from tierio.ckpt.retention import Retention, gc_plan, parse_retention
+
+
+@dataclass
+class CheckpointInfo:
+    step: int
+    time: str
+    world_size: int
+    bytes: int
+    tensors: int
+    files: list[str]
+    error: str | None = None  # set when the manifest is unreadable
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _store(url: str | Path | Store) -> Store:
+    return url if isinstance(url, Store) else open_store(url)
+
+
+def list_checkpoints(url: str | Path | Store) -> list[CheckpointInfo]:
+    """Committed checkpoints on one tier (directories without a manifest are not checkpoints)."""
+    store = _store(url)
+    out = []
+    for step in committed_steps(store):
+        try:
+            m = read_manifest(store, step)
+            out.append(CheckpointInfo(step, m.time, m.world_size, m.total_bytes, m.num_tensors, m.files))
+        except TierioError as exc:
+            out.append(CheckpointInfo(step, "", 0, 0, 0, [], str(exc)))
+    return out
+
+
+def _latest(store: Store) -> int:
+    steps = committed_steps(store)
+    if not steps:
+        raise NotFoundError(f"no committed checkpoint in {store.url}")
+    return steps[-1]
+
+
+def inspect(url: str | Path | Store, step: int | None = None) -> Manifest:
+    """The parsed (strictly validated) manifest of ``step`` (default: latest)."""
+    store = _store(url)
+    step = _latest(store) if step is None else step
+    if not store.exists(manifest_key(step)):
+        raise NotFoundError(f"no committed checkpoint of step {step} in {store.url}; `tierio ckpt ls` lists them")
+    return read_manifest(store, step)
+
+
+def verify(url: str | Path | Store, step: int | None = None) -> VerifyReport:
+    """Read every chunk of ``step`` (default: latest) and compare checksums; problems name file and chunk."""
+    store = _store(url)
+    if step is None:
+        steps = committed_steps(store)
+        step = steps[-1] if steps else max(step_dirs(store), default=None)
+        if step is None:
+            raise NotFoundError(f"no checkpoint in {store.url}")
+    report = VerifyReport(step)
+    verify_copy(store, step, report)
+    return report
+
+
+def promote(src_url: str | Path | Store, dst_url: str | Path | Store, step: int | None = None, *,
+            bandwidth: float | str | None = None) -> CopyStats:
+    """Copy ``step`` (default: latest) from one tier to another: verified, manifest last."""
+    src, dst = _store(src_url), _store(dst_url)
+    step = _latest(src) if step is None else step
+    if not src.exists(manifest_key(step)):
+        raise NotFoundError(f"no committed checkpoint of step {step} in {src.url}")
+    rate = parse_size(bandwidth) if isinstance(bandwidth, str) else bandwidth
+    limiter = TokenBucket(rate, burst=max(1 << 20, rate / 4)) if rate else None
+    t0 = time.perf_counter()
+    stats = copy_step(src, dst, step, limiter=limiter)
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def gc(url: str | Path | Store, retention: Retention | str, *, min_keep: int = 3, dry_run: bool = False) -> list[int]:
+    """Apply ``retention`` to one tier; keeps at least ``min_keep`` checkpoints there."""
+    from tierio.ckpt.manager import delete_step
+
+    store = _store(url)
+    policy = parse_retention(retention) if isinstance(retention, str) else retention
+    held = {s: store.stat(manifest_key(s)).mtime for s in committed_steps(store)}
+    plan = gc_plan([held], [policy], min_keep=min_keep, names=[store.url])
+    steps = [s for _, s in plan.delete]
+    if not dry_run:
+        for s in steps:
+            delete_step(store, s)
+    return steps
+
+
+__all__ = ["CheckpointInfo", "list_checkpoints", "inspect", "verify", "promote", "gc", "step_dir"]

@@ -1,0 +1,49 @@
+"""Tiers: a store plus its retention policy, and the capacity of local tiers."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierio.errors import ConfigError
+from tierio.io.limiter import TokenBucket
+from tierio.storage.base import Store
+from tierio.storage.url import open_store
+
+from tierio.ckpt.retention import Retention
+
+
+@dataclass
+class Tier:
+    """One checkpoint tier: a URL (or an open Store) and what it keeps (None: everything)."""
+
+    url: str | Path | Store
+    retention: Retention | None = None
+
+
+def as_tier(x: str | Path | Tier | Store) -> Tier:
+    if isinstance(x, Tier):
+        return x
+    if isinstance(x, (str, Path)) or isinstance(x, Store):
+        return Tier(x)
+    raise ConfigError(f"cannot use {x!r} as a checkpoint tier: pass a path, a file:// or s3:// URL, a Store or a Tier")
+
+
+def open_tier_store(tier: Tier, limiter: TokenBucket | None = None) -> Store:
+    """Open the tier's store; slower tiers get the promotion bandwidth limiter on their writes."""
+    if isinstance(tier.url, (str, Path)):
+        return open_store(tier.url, limiter=limiter) if limiter is not None else open_store(tier.url)
+    return tier.url
+
+
+def capacity(store: Store) -> tuple[int, int] | None:
+    """(total, free) bytes of a local store's filesystem; None for object stores."""
+    root = getattr(store, "root", None)
+    if root is None:
+        return None
+    try:
+        st = os.statvfs(root)
+    except OSError:
+        return None
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize

@@ -1,0 +1,338 @@
+"""`tierio ckpt ls|inspect|verify|promote|gc URL`: look after checkpoints on any tier."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from tierio.cli.output import console, print_json, print_table
+from tierio.errors import ConfigError, NotFoundError
+from tierio.units import human_bytes, human_rate, parse_size
+
+EXAMPLES = """\
+URL is a tier: a directory (/mnt/nvme/ckpt, file:///lustre/run1) or s3://bucket/prefix[?endpoint=...].
+
+examples:
+  tierio ckpt ls /mnt/nvme/ckpt                      committed checkpoints, newest last
+  tierio ckpt inspect /mnt/nvme/ckpt                 the latest manifest: tree, dtypes, sizes
+  tierio ckpt inspect /mnt/nvme/ckpt --step 2000 --tensors
+  tierio ckpt verify /lustre/run1 --all              re-read every chunk and check its xxh3
+  tierio ckpt promote /mnt/nvme/ckpt 's3://ckpt/run1?endpoint=http://127.0.0.1:8333' --step 2000
+  tierio ckpt gc /lustre/run1 --keep last:3+every:1000 --dry-run
+  tierio ckpt ls ./tierio-demo/shared-fs --json      the same, for scripts
+
+retention for gc: last:N (newest N), every:K (steps divisible by K), within:48h (committed in
+the last 48 hours), all (keep everything); join with + (keep what any keeps) or & (what all keep).
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "ckpt",
+        help="list, inspect, verify, promote and garbage-collect checkpoints on a tier",
+        description="Look after tierio checkpoints on one tier (a directory or an S3 prefix).",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.set_defaults(handler=lambda args: (p.print_help(), 2)[1])
+    cmds = p.add_subparsers(dest="ckpt_command", metavar="ACTION")
+
+    def action(name: str, help: str, example: str) -> argparse.ArgumentParser:
+        a = cmds.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".",
+                            epilog=f"example:\n  {example}", formatter_class=argparse.RawDescriptionHelpFormatter)
+        a.add_argument("--json", action="store_true", help="print JSON instead of tables")
+        return a
+
+    a = action("ls", "list the committed checkpoints on a tier", "tierio ckpt ls /mnt/nvme/ckpt")
+    a.add_argument("url", metavar="URL")
+    a.set_defaults(handler=cmd_ls)
+
+    a = action("inspect", "show one checkpoint's manifest: state tree, tensors, sizes",
+               "tierio ckpt inspect /mnt/nvme/ckpt --step 2000 --tensors")
+    a.add_argument("url", metavar="URL")
+    a.add_argument("--step", type=int, help="the step (default: the latest)")
+    a.add_argument("--tensors", action="store_true", help="list every tensor with dtype, shape and chunks")
+    a.set_defaults(handler=cmd_inspect)
+
+    a = action("verify", "re-read checkpoints and check every chunk's xxh3",
+               "tierio ckpt verify /lustre/run1 --all")
+    a.add_argument("url", metavar="URL")
+    g = a.add_mutually_exclusive_group()
+    g.add_argument("--step", type=int, help="the step (default: the latest)")
+    g.add_argument("--all", action="store_true", help="every committed step, and flag directories without a manifest")
+    a.set_defaults(handler=cmd_verify)
+
+    a = action("promote", "copy a committed checkpoint to another tier (verified, manifest last)",
+               "tierio ckpt promote /mnt/nvme/ckpt s3://ckpt/run1 --step 2000")
+    a.add_argument("src", metavar="SRC")
+    a.add_argument("dst", metavar="DST")
+    a.add_argument("--step", type=int, help="the step (default: the latest on SRC)")
+    a.add_argument("--all", action="store_true", help="every committed step of SRC that DST lacks")
+    a.add_argument("--bandwidth", help="limit the copy rate, e.g. 500MB (bytes per second)")
+    a.set_defaults(handler=cmd_promote)
+
+    a = action("gc", "delete checkpoints a retention policy does not keep",
+               "tierio ckpt gc /lustre/run1 --keep last:3+every:1000 --dry-run")
+    a.add_argument("url", metavar="URL")
+    a.add_argument("--keep", required=True, metavar="POLICY", help="retention: last:N, every:K, within:48h, all; join with + or &")
+    a.add_argument("--min-keep", type=int, default=3, help="never keep fewer than this many checkpoints (default 3)")
+    a.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
+    a.set_defaults(handler=cmd_gc)
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def _is_local(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
+@contextmanager
+def _store(url: str, *, create: bool = False) -> Iterator[Any]:
+    """Open a tier; a local directory that does not exist is an error unless we write to it."""
+    from tierio.storage import open_store
+
+    store = open_store(url, create=create) if _is_local(url) else open_store(url)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def _latest(store: Any, url: str) -> int:
+    from tierio.ckpt.reader import committed_steps
+
+    steps = committed_steps(store)
+    if not steps:
+        raise NotFoundError(f"no committed checkpoint in {url}; check the URL with 'tierio ckpt ls {url}'")
+    return steps[-1]
+
+
+def _manifest(store: Any, url: str, step: int):
+    from tierio.ckpt.reader import read_manifest
+    from tierio.format.shard import manifest_key
+
+    if not store.exists(manifest_key(step)):
+        raise NotFoundError(f"step {step} has no committed checkpoint in {url}; 'tierio ckpt ls {url}' lists the steps there")
+    return read_manifest(store, step)
+
+
+def _summary(man: Any) -> dict[str, Any]:
+    return {
+        "step": man.step,
+        "time": man.time,
+        "world_size": man.world_size,
+        "tensors": man.num_tensors,
+        "bytes": man.total_bytes,
+        "files": man.files,
+    }
+
+
+# -- ls ------------------------------------------------------------------------------------------
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from tierio.ckpt import list_checkpoints
+    from tierio.ckpt.reader import step_dirs
+
+    with _store(args.url) as store:
+        infos = list_checkpoints(store)
+        partial = sorted(set(step_dirs(store)) - {i.step for i in infos})
+    rows = [i.to_dict() for i in infos if i.error is None]
+    bad = [{"step": i.step, "problem": i.error} for i in infos if i.error is not None]
+    result = {"url": args.url, "checkpoints": rows, "unreadable": bad, "uncommitted": partial}
+    if args.json:
+        print_json(result)
+        return 0
+    if not rows and not bad:
+        console().print(f"no committed checkpoint in {args.url}")
+    else:
+        print_table(f"Checkpoints in {args.url}", ["step", "time (UTC)", "ranks", "tensors", "size"],
+                    [[r["step"], r["time"][:19].replace("T", " "), r["world_size"], r["tensors"],
+                      human_bytes(r["bytes"])] for r in rows])
+    out = console(stderr=True)
+    for b in bad:
+        out.print(f"[yellow]step {b['step']}: unreadable manifest: {b['problem']}[/yellow]")
+    if partial:
+        out.print(f"{len(partial)} step director{'y' if len(partial) == 1 else 'ies'} without a manifest "
+                  f"(uncommitted, never restored): {', '.join(map(str, partial[:10]))}"
+                  + (" ..." if len(partial) > 10 else ""))
+    return 0
+
+
+# -- inspect -------------------------------------------------------------------------------------
+
+
+def _tree_rows(tree: Any, tensors: dict[str, Any], path: str = "", depth: int = 0) -> list[list[Any]]:
+    """Top levels of the state tree with the tensor count and bytes below each node."""
+    from tierio.format.statetree import tensor_refs
+
+    rows: list[list[Any]] = []
+    if isinstance(tree, dict) and not any(k.startswith("__") for k in tree):
+        for k, v in tree.items():
+            name = f"{path}.{k}" if path else str(k)
+            refs = tensor_refs(v)
+            if refs:
+                nbytes = sum(tensors[r].nbytes for r in refs if r in tensors)
+                rows.append([name, len(refs), human_bytes(nbytes)])
+                if depth < 1 and isinstance(v, dict) and len(v) <= 12:
+                    rows += _tree_rows(v, tensors, name, depth + 1)
+            else:
+                text = repr(v) if not isinstance(v, (dict, list)) else f"{type(v).__name__} ({len(v)} items)"
+                rows.append([name, "-", text if len(text) <= 40 else text[:37] + "..."])
+    return rows
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from tierio.ckpt import inspect
+
+    with _store(args.url) as store:
+        step = args.step if args.step is not None else _latest(store, args.url)
+        man = inspect(store, step)
+    tensors = {name: t for r in man.ranks for name, t in r.tensors.items()}
+    if args.json:
+        doc = _summary(man)
+        doc["ranks"] = [{"rank": r.rank, "file": r.file, "bytes": r.bytes, "tree": r.tree,
+                         "tensors": {n: {"dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
+                                         "chunks": len(t.chunks)} for n, t in r.tensors.items()}}
+                        for r in man.ranks]
+        print_json(doc)
+        return 0
+    s = _summary(man)
+    by_dtype: dict[str, list[int]] = {}
+    for t in tensors.values():
+        c = by_dtype.setdefault(t.dtype, [0, 0])
+        c[0] += 1
+        c[1] += t.nbytes
+    print_table(f"Checkpoint step {step} in {args.url}", ["", "value"], [
+        ["committed (UTC)", s["time"]], ["ranks", s["world_size"]], ["files", ", ".join(s["files"])],
+        ["tensors", s["tensors"]], ["size", human_bytes(s["bytes"])],
+        ["dtypes", ", ".join(f"{d} x{c[0]} ({human_bytes(c[1])})" for d, c in sorted(by_dtype.items()))],
+    ])
+    rank0 = man.ranks[0]
+    print_table("State tree (rank 0)", ["key", "tensors", "size / value"], _tree_rows(rank0.tree, rank0.tensors))
+    if args.tensors:
+        rows = [[n, t.dtype, "x".join(map(str, t.shape)) or "scalar", human_bytes(t.nbytes), len(t.chunks)]
+                for r in man.ranks for n, t in r.tensors.items()]
+        print_table("Tensors", ["name", "dtype", "shape", "size", "chunks"], rows)
+    return 0
+
+
+# -- verify --------------------------------------------------------------------------------------
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from tierio.ckpt import verify
+    from tierio.ckpt.reader import committed_steps, step_dirs
+
+    reports = []
+    with _store(args.url) as store:
+        if args.all:
+            steps = sorted(set(committed_steps(store)) | set(step_dirs(store)))
+            if not steps:
+                raise NotFoundError(f"no checkpoint in {args.url}")
+        else:
+            step = args.step if args.step is not None else _latest(store, args.url)
+            steps = [step]
+        for step in steps:
+            report = verify(store, step)
+            if report.copies.get(store.url) == "absent":
+                raise NotFoundError(f"step {step} has no checkpoint in {args.url}")
+            reports.append(report)
+    ok = all(r.ok for r in reports)
+    if args.json:
+        print_json({"url": args.url, "ok": ok, "steps": [r.to_dict() for r in reports]})
+        return 0 if ok else 1
+    print_table(f"Verification of {args.url}", ["step", "result", "bytes checked", "problems"],
+                [[r.step, "ok" if r.ok else "BAD", human_bytes(r.bytes_checked), len(r.problems)] for r in reports])
+    err = console(stderr=True)
+    for r in reports:
+        for p in r.problems[:20]:
+            err.print(f"[red]step {r.step}[/red]: {p.file}" + (f" [{p.chunk}]" if p.chunk else "") + f": {p.message}")
+    if not ok:
+        err.print("a bad copy must not be restored from this tier; restore from another tier or an older step")
+    return 0 if ok else 1
+
+
+# -- promote -------------------------------------------------------------------------------------
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    from tierio.ckpt import promote
+    from tierio.ckpt.reader import committed_steps
+    from tierio.format.shard import manifest_key
+
+    if args.step is not None and args.all:
+        raise ConfigError("use either --step or --all, not both")
+    rate = parse_size(args.bandwidth) if args.bandwidth else None
+    if rate is not None and rate <= 0:
+        raise ConfigError("--bandwidth must be positive, e.g. 500MB")
+    done = []
+    with _store(args.src) as src, _store(args.dst, create=True) as dst:
+        if args.all:
+            steps = [s for s in committed_steps(src) if not dst.exists(manifest_key(s))]
+        else:
+            steps = [args.step if args.step is not None else _latest(src, args.src)]
+            _manifest(src, args.src, steps[0])
+        for step in steps:
+            if dst.exists(manifest_key(step)):
+                done.append({"step": step, "bytes": 0, "seconds": 0.0, "skipped": "already committed on DST"})
+                continue
+            stats = promote(src, dst, step, bandwidth=rate)
+            done.append({"step": step, "bytes": stats.bytes, "seconds": stats.seconds, "skipped": None})
+    if args.json:
+        print_json({"src": args.src, "dst": args.dst, "promoted": done})
+        return 0
+    if not done:
+        console().print(f"nothing to promote: {args.dst} already holds every checkpoint of {args.src}")
+        return 0
+    print_table(f"Promoted {args.src} -> {args.dst}", ["step", "size", "time", "rate"], [
+        [d["step"], human_bytes(d["bytes"]), f"{d['seconds']:.2f} s" if not d["skipped"] else d["skipped"],
+         human_rate(d["bytes"] / d["seconds"]) if d["seconds"] else "-"] for d in done])
+    return 0
+
+
+# -- gc ------------------------------------------------------------------------------------------
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from tierio.ckpt.manager import delete_step
+    from tierio.ckpt.reader import committed_steps, step_dirs
+    from tierio.ckpt.retention import gc_plan, parse_retention
+    from tierio.format.shard import manifest_key
+
+    policy = parse_retention(args.keep)
+    if args.min_keep < 0:
+        raise ConfigError("--min-keep must be >= 0")
+    with _store(args.url) as store:
+        held = {s: store.stat(manifest_key(s)).mtime for s in committed_steps(store)}
+        plan = gc_plan([held], [policy], min_keep=args.min_keep, names=[args.url])
+        doomed = [step for _, step in plan.delete]
+        # Directories without a manifest, older than the newest commit, are debris of dead saves.
+        newest = max(held, default=-1)
+        partial = [s for s in step_dirs(store) if s not in held and s < newest]
+        if not args.dry_run:
+            for step in doomed:
+                delete_step(store, step)
+            for step in partial:
+                delete_step(store, step)
+    kept = sorted(set(held) - set(doomed))
+    result = {"url": args.url, "policy": str(policy), "dry_run": args.dry_run, "deleted": doomed,
+              "deleted_uncommitted": partial, "kept": kept, "warnings": plan.warnings}
+    if args.json:
+        print_json(result)
+        return 0
+    verb = "would delete" if args.dry_run else "deleted"
+    out = console()
+    out.print(f"retention {policy} on {args.url}: {verb} {len(doomed)} checkpoint(s)"
+              + (f" and {len(partial)} uncommitted director{'y' if len(partial) == 1 else 'ies'}" if partial else ""))
+    if doomed:
+        out.print(f"  {verb}: steps {', '.join(map(str, doomed))}")
+    out.print(f"  kept: steps {', '.join(map(str, kept)) or 'none'}")
+    for w in plan.warnings:
+        console(stderr=True).print(f"[yellow]warning[/yellow]: {w}")
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,158 @@
+"""`tierio weights`: inspect, fetch into the local cache, and load model weights."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from tierio.cli.output import print_json, print_table
+from tierio.errors import ConfigError
+from tierio.units import human_bytes, human_rate, parse_size
+
+EPILOG = """\
+examples:
+  tierio weights inspect ./llama/                        shards, tensors, dtypes and sizes (headers only)
+  tierio weights load ./llama/ --device cpu              cold-load every tensor; bytes, seconds, GB/s, CPU s/GB
+  tierio weights load model.safetensors --keys lm_head.weight
+  tierio weights fetch "s3://models/llama?endpoint=http://127.0.0.1:8333" --cache /nvme/weights
+  tierio weights load  "s3://models/llama?endpoint=http://127.0.0.1:8333" --cache /nvme/weights --device cuda
+  tierio weights cache --cache /nvme/weights             what the cache holds, least recently used first
+
+The cache directory defaults to $TIERIO_WEIGHT_CACHE or ~/.cache/tierio/weights.
+"""
+
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16", "fp32": "float32", "float32": "float32"}
+
+
+def _cache_root(args) -> Path:
+    return Path(args.cache or os.environ.get("TIERIO_WEIGHT_CACHE") or "~/.cache/tierio/weights").expanduser()
+
+
+def _cache(args):
+    from tierio.weights import WeightCache
+
+    return WeightCache(_cache_root(args), parse_size(args.max_size))
+
+
+def _stats_rows(d: dict) -> list[list[str]]:
+    rows = [
+        ["source", d["source"]], ["method", d["method"]], ["device", d["device"]],
+        ["files", str(d["files"])], ["tensors", str(d["tensors"])], ["bytes", human_bytes(d["bytes"])],
+        ["seconds", f"{d['seconds']:.3f}"], ["throughput", human_rate(d["bytes"] / d["seconds"]) if d["seconds"] else "-"],
+        ["CPU s per GB", f"{d['cpu_s_per_gb']:.3f}"],
+        ["O_DIRECT bytes", human_bytes(d["direct_bytes"])], ["page-cache bytes", human_bytes(d["buffered_bytes"])],
+        ["remote bytes", human_bytes(d["remote_bytes"])],
+    ]
+    rows += [[k, str(v)] for k, v in d.get("extra", {}).items()]
+    return rows
+
+
+def cmd_inspect(args) -> int:
+    from tierio.weights import inspect
+
+    info = inspect(args.source)
+    if args.json:
+        print_json(info)
+        return 0
+    print_table(f"{info['source']} ({info['kind']})", ["file", "bytes", "tensors"],
+                [[f["file"], human_bytes(f["bytes"]), f["tensors"]] for f in info["files"]])
+    tensors = list(info["tensors"].items())
+    shown = tensors if args.all else tensors[:20]
+    print_table(f"tensors ({len(tensors)}, {human_bytes(info['tensor_bytes'])})", ["name", "dtype", "shape", "bytes", "file"],
+                [[n, t["dtype"], "x".join(map(str, t["shape"])) or "scalar", human_bytes(t["bytes"]), t["file"]] for n, t in shown])
+    if len(shown) < len(tensors):
+        print(f"... {len(tensors) - len(shown)} more (--all lists every tensor)")
+    return 0
+
+
+def cmd_load(args) -> int:
+    import torch
+
+    from tierio.weights import LoadStats, load
+
+    dtype = None
+    if args.dtype:
+        if args.dtype not in DTYPES:
+            raise ConfigError(f"unknown --dtype {args.dtype!r}; use one of {', '.join(sorted(DTYPES))}")
+        dtype = getattr(torch, DTYPES[args.dtype])
+    keys = args.keys.split(",") if args.keys else None
+    stats = LoadStats()
+    if args.cache or args.via_cache:
+        tensors = _cache(args).load(args.source, device=args.device, dtype=dtype, keys=keys, stats=stats, verify=args.verify)
+    else:
+        tensors = load(args.source, device=args.device, dtype=dtype, keys=keys, stats=stats, direct=not args.buffered)
+    d = stats.to_dict()
+    d["loaded_tensors"] = len(tensors)
+    if args.json:
+        print_json(d)
+    else:
+        print_table("weights load", ["", "value"], _stats_rows(d))
+    return 0
+
+
+def cmd_fetch(args) -> int:
+    from tierio.weights import LoadStats
+
+    stats = LoadStats(source=str(args.source), device="none")
+    path = _cache(args).fetch(args.source, stats=stats)
+    d = stats.to_dict()
+    d["path"] = str(path)
+    if args.json:
+        print_json(d)
+    else:
+        print_table("weights fetch", ["", "value"], _stats_rows(d) + [["local path", str(path)]])
+    return 0
+
+
+def cmd_cache(args) -> int:
+    c = _cache(args)
+    entries = c.entries()
+    if args.json:
+        print_json({"root": str(c.root), "max_bytes": c.max_bytes, "used_bytes": sum(e.bytes for e in entries),
+                    "entries": [{"name": e.name, "source": e.source, "bytes": e.bytes, "last_used": e.last_used, "path": str(e.path)} for e in entries]})
+        return 0
+    print_table(f"weight cache {c.root} ({human_bytes(sum(e.bytes for e in entries))} of {human_bytes(c.max_bytes)})",
+                ["source", "bytes", "path"], [[e.source, human_bytes(e.bytes), str(e.path)] for e in entries])
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("weights", help="inspect, cache and load model weights (safetensors)",
+                       description="Load safetensors weights at disk bandwidth; keep a local NVMe cache of remote models.",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ws = p.add_subparsers(dest="weights_command", metavar="ACTION")
+
+    def common(q, cache: bool = True):
+        q.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+        if cache:
+            q.add_argument("--cache", metavar="DIR", help="weight cache directory (default $TIERIO_WEIGHT_CACHE or ~/.cache/tierio/weights)")
+            q.add_argument("--max-size", default="200GiB", help="cache size limit, evicting least recently used models (default 200GiB)")
+
+    q = ws.add_parser("inspect", help="list shards and tensors from the headers", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    q.add_argument("source", help=".safetensors file, model directory, tierio checkpoint or s3:// URL")
+    q.add_argument("--all", action="store_true", help="list every tensor")
+    common(q, cache=False)
+    q.set_defaults(handler=cmd_inspect)
+
+    q = ws.add_parser("load", help="load weights and report bytes, seconds, GB/s, CPU s/GB", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    q.add_argument("source", help=".safetensors file, model directory, tierio checkpoint or s3:// URL")
+    q.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    q.add_argument("--dtype", help="convert floating-point tensors: bf16, fp16 or fp32")
+    q.add_argument("--keys", help="comma-separated tensor names to load (default all)")
+    q.add_argument("--via-cache", action="store_true", help="go through the weight cache (implied by --cache)")
+    q.add_argument("--verify", choices=["size", "full"], default="size", help="cache hits: check sizes only, or every window's xxh3")
+    q.add_argument("--buffered", action="store_true", help="never use O_DIRECT (read through the page cache)")
+    common(q)
+    q.set_defaults(handler=cmd_load)
+
+    q = ws.add_parser("fetch", help="copy a remote model into the local cache (verified, atomic)", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    q.add_argument("source", help="s3:// URL or shared-filesystem path of a model")
+    common(q)
+    q.set_defaults(handler=cmd_fetch)
+
+    q = ws.add_parser("cache", help="list the models in the cache", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common(q)
+    q.set_defaults(handler=cmd_cache)
+
+    p.set_defaults(handler=lambda args: (p.print_help(), 2)[1])

@@ -1,0 +1,139 @@
+"""Checkpoint shard files: one safetensors file per rank, laid out for one large aligned write.
+
+A shard is staged as a single contiguous host buffer holding the header and the data section, so
+persisting it is one big O_DIRECT write and promoting it is a byte copy. Every tensor is split
+along its first dimension into chunks of at most ``CHUNK_BYTES`` for checksums: a corrupt copy is
+reported down to the chunk, and global offsets stay meaningful for later resharding.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+from tierio.errors import FormatError
+from tierio.format.safetensors import Header, build_header, dtype_name
+
+CHUNK_BYTES = 64 << 20
+FORMAT_VERSION = "1"
+
+STEP_DIGITS = 9
+RANK_DIGITS = 5
+_STEP_RE = re.compile(r"step_(\d{9})")
+MANIFEST = "manifest.json"
+
+
+def step_dir(step: int) -> str:
+    """'step_000000100'."""
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 10**STEP_DIGITS:
+        raise FormatError(f"checkpoint step must be an integer in 0..{10**STEP_DIGITS - 1}, got {step!r}")
+    return f"step_{step:0{STEP_DIGITS}d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    m = _STEP_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def shard_name(rank: int) -> str:
+    return f"rank_{rank:0{RANK_DIGITS}d}.safetensors"
+
+
+def fragment_name(rank: int) -> str:
+    """Per-rank manifest fragment, written once that rank's shard is durable."""
+    return f"rank_{rank:0{RANK_DIGITS}d}.json"
+
+
+def manifest_key(step: int) -> str:
+    return f"{step_dir(step)}/{MANIFEST}"
+
+
+def shard_key(step: int, rank: int) -> str:
+    return f"{step_dir(step)}/{shard_name(rank)}"
+
+
+def fragment_key(step: int, rank: int) -> str:
+    return f"{step_dir(step)}/{fragment_name(rank)}"
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """A run of whole rows of one tensor: file bytes [begin, end) hold local rows [row0, row0+rows)."""
+
+    begin: int  # absolute file offset
+    end: int
+    row0: int
+    rows: int
+    shape: tuple[int, ...]
+
+
+@dataclass
+class ShardLayout:
+    header_bytes: bytes
+    header: Header
+    total_bytes: int
+    chunks: dict[str, list[ChunkSpec]]
+
+    def span(self, name: str) -> tuple[int, int]:
+        """Absolute file byte range of a tensor."""
+        e = self.header.tensors[name]
+        return self.header.data_offset + e.begin, self.header.data_offset + e.end
+
+
+def split_rows(shape: tuple[int, ...], itemsize: int, begin: int, chunk_bytes: int = CHUNK_BYTES) -> list[ChunkSpec]:
+    """Chunk a tensor stored at absolute offset ``begin`` along dim 0."""
+    nbytes = math.prod(shape) * itemsize
+    if len(shape) == 0 or nbytes == 0 or nbytes <= chunk_bytes:
+        return [ChunkSpec(begin, begin + nbytes, 0, shape[0] if shape else 1, tuple(shape))]
+    row = nbytes // shape[0]
+    per = max(1, chunk_bytes // row)
+    out = []
+    for r in range(0, shape[0], per):
+        n = min(per, shape[0] - r)
+        out.append(ChunkSpec(begin + r * row, begin + (r + n) * row, r, n, (n, *shape[1:])))
+    return out
+
+
+def plan_shard(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,
+               chunk_bytes: int = CHUNK_BYTES) -> ShardLayout:
+    """Lay out a shard: header (padded so data starts at a multiple of 64) then tensors by element size."""
+    meta = {"format": "tierio", "tierio.version": FORMAT_VERSION}
+    meta.update(metadata or {})
+    hdr, header = build_header(((n, dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()), meta)
+    chunks = {}
+    for name, e in header.tensors.items():
+        chunks[name] = split_rows(e.shape, tensors[name].dtype.itemsize, header.data_offset + e.begin, chunk_bytes)
+    return ShardLayout(hdr, header, header.data_offset + header.data_bytes, chunks)
+
+
+def staging_view(buf_u8: torch.Tensor, begin: int, end: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A typed view of bytes [begin, end) of a uint8 tensor (no copy)."""
+    piece = buf_u8[begin:end]
+    if dtype != torch.uint8:
+        piece = piece.view(dtype)
+    return piece.view(shape)
+
+
+def stage_into(layout: ShardLayout, tensors: dict[str, torch.Tensor], buf_u8: torch.Tensor,
+               stream=None) -> None:
+    """Copy the header and every tensor into the staging buffer (a uint8 tensor of >= total bytes).
+
+    CPU tensors are copied with torch's parallel copy; CUDA tensors with non_blocking copies on
+    ``stream`` (the caller synchronizes). Non-contiguous tensors are gathered by the copy itself.
+    """
+    n = len(layout.header_bytes)
+    buf_u8[:n].copy_(torch.frombuffer(bytearray(layout.header_bytes), dtype=torch.uint8))
+    for name, e in layout.header.tensors.items():
+        if e.nbytes == 0:
+            continue
+        t = tensors[name]
+        off = layout.header.data_offset
+        dst = staging_view(buf_u8, off + e.begin, off + e.end, t.dtype, tuple(t.shape))
+        if t.is_cuda and stream is not None:
+            with torch.cuda.stream(stream):
+                dst.copy_(t, non_blocking=True)
+        else:
+            dst.copy_(t)

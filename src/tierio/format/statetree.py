@@ -1,0 +1,230 @@
+"""State trees without pickle: nested dicts/lists/tuples with tensor leaves <-> JSON + named tensors.
+
+``flatten(state)`` turns a training state (model and optimizer state dicts, scheduler state, RNG
+states, step counters, user extras) into a JSON-able tree whose tensor leaves are references
+``{"__tensor__": name}`` plus a dict of the distinct tensors. ``unflatten`` builds the state back.
+
+Encoding of what JSON cannot hold directly (every marker is a one-key object):
+
+    {"__tensor__": name}     torch tensor            {"__ndarray__": name}   numpy array
+    {"__tuple__": [...]}     tuple                   {"__dict__": [[k, v]]}  dict with non-str keys
+    {"__float__": "nan"}     nan / inf / -inf        {"__bytes__": base64}   bytes
+    {"__dtype__": "float32"} torch.dtype             {"__np__": [dtype, v]}  numpy scalar
+
+Tensors that are views of the same memory with the same shape, stride and dtype (tied weights)
+are stored once and come back as one shared tensor. Nothing here executes code from the data.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tierio.errors import ConfigError, FormatError
+
+MARKERS = ("__tensor__", "__ndarray__", "__tuple__", "__dict__", "__float__", "__bytes__", "__dtype__", "__np__")
+MAX_DEPTH = 200
+
+
+@dataclass
+class FlatState:
+    tree: Any
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _scalar(x: Any, where: str) -> Any:
+    """Encode a JSON-able scalar (also used for dict keys)."""
+    if x is None or isinstance(x, (bool, str)):
+        return x
+    if isinstance(x, int):
+        return int(x)
+    if isinstance(x, float):
+        if math.isfinite(x):
+            return x
+        return {"__float__": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
+    if isinstance(x, tuple):
+        return {"__tuple__": [_scalar(v, where) for v in x]}
+    raise ConfigError(f"dict key {x!r} of type {type(x).__name__} at {where!r} cannot be stored; use str or int keys")
+
+
+def flatten(state: Any) -> FlatState:
+    """Split ``state`` into a JSON tree and its distinct tensors (named by their path in the tree)."""
+    out = FlatState(None)
+    seen: dict[tuple, str] = {}
+
+    def name_for(path: list[str]) -> str:
+        base = "/".join(path) or "tensor"
+        name, i = base, 1
+        while name in out.tensors or name == "__metadata__":
+            name, i = f"{base}~{i}", i + 1
+        return name
+
+    def tensor_leaf(t: torch.Tensor, path: list[str]) -> str:
+        if t.layout != torch.strided:
+            raise ConfigError(f"tensor at {'/'.join(path)!r} has layout {t.layout}; convert it to a dense tensor first")
+        if hasattr(t, "_local_tensor") or type(t).__name__ == "DTensor":
+            raise ConfigError(f"tensor at {'/'.join(path)!r} is a DTensor; pass its local shard (to_local()) instead")
+        t = t.detach()
+        key = None
+        if t.numel() > 0:
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device))
+            if key in seen:
+                return seen[key]
+        name = name_for(path)
+        out.tensors[name] = t
+        if key is not None:
+            seen[key] = name
+        return name
+
+    def walk(obj: Any, path: list[str], depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise ConfigError(f"state is nested deeper than {MAX_DEPTH} levels at {'/'.join(path)!r}")
+        if isinstance(obj, torch.Tensor):
+            return {"__tensor__": tensor_leaf(obj, path)}
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.kind not in "biufc":
+                raise ConfigError(f"numpy array at {'/'.join(path)!r} has dtype {obj.dtype}; only numeric arrays can be stored")
+            arr = np.ascontiguousarray(obj)
+            if not arr.flags.writeable:
+                arr = arr.copy()
+            return {"__ndarray__": tensor_leaf(torch.from_numpy(arr), path)}
+        if isinstance(obj, np.generic):
+            return {"__np__": [obj.dtype.str, _scalar(obj.item(), "/".join(path))]}
+        if isinstance(obj, dict):
+            if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+                return {k: walk(v, path + [k], depth + 1) for k, v in obj.items()}
+            return {"__dict__": [[_scalar(k, "/".join(path)), walk(v, path + [str(k)], depth + 1)] for k, v in obj.items()]}
+        if isinstance(obj, list):
+            return [walk(v, path + [str(i)], depth + 1) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple):  # torch.Size and namedtuples come back as plain tuples
+            return {"__tuple__": [walk(v, path + [str(i)], depth + 1) for i, v in enumerate(obj)]}
+        if isinstance(obj, (bytes, bytearray)):
+            return {"__bytes__": base64.b64encode(bytes(obj)).decode()}
+        if isinstance(obj, torch.dtype):
+            return {"__dtype__": str(obj).removeprefix("torch.")}
+        if obj is None or isinstance(obj, (bool, int, float, str)):
+            return _scalar(obj, "/".join(path))
+        raise ConfigError(
+            f"cannot store {type(obj).__name__} at {'/'.join(path) or '<root>'!r} without pickle; "
+            "convert it to tensors, numbers, strings, lists or dicts (e.g. call .state_dict())"
+        )
+
+    out.tree = walk(state, [], 0)
+    return out
+
+
+def tensor_refs(tree: Any) -> list[str]:
+    """Every tensor name the tree references (in walk order, with repeats for tied leaves)."""
+    refs: list[str] = []
+
+    def walk(node: Any, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            raise FormatError(f"state tree is nested deeper than {MAX_DEPTH} levels")
+        if isinstance(node, dict):
+            if len(node) == 1:
+                (k, v), = node.items()
+                if k in ("__tensor__", "__ndarray__"):
+                    if not isinstance(v, str):
+                        raise FormatError(f"tensor reference {v!r} is not a string")
+                    refs.append(v)
+                    return
+            for v in node.values():
+                walk(v, depth + 1)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v, depth + 1)
+
+    walk(tree, 0)
+    return refs
+
+
+def _decode_scalar(node: Any) -> Any:
+    if isinstance(node, dict):
+        if set(node) == {"__float__"} and node["__float__"] in ("nan", "inf", "-inf"):
+            return float(node["__float__"])
+        if set(node) == {"__tuple__"} and isinstance(node["__tuple__"], list):
+            return tuple(_decode_scalar(v) for v in node["__tuple__"])
+        raise FormatError(f"invalid dict key encoding {node!r} in the state tree")
+    if node is None or isinstance(node, (bool, int, float, str)):
+        return node
+    raise FormatError(f"invalid dict key {node!r} in the state tree")
+
+
+def unflatten(tree: Any, get_tensor: Callable[[str, Any], torch.Tensor], into: Any = None) -> Any:
+    """Rebuild a state from its JSON tree. ``get_tensor(name, target)`` returns the tensor for a
+    reference; ``target`` is the tensor found at the same place in ``into`` (or None)."""
+
+    def sub(x: Any, key: Any) -> Any:
+        try:
+            if isinstance(x, dict):
+                return x.get(key)
+            if isinstance(x, (list, tuple)) and isinstance(key, int) and 0 <= key < len(x):
+                return x[key]
+        except TypeError:
+            pass
+        return None
+
+    def walk(node: Any, target: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise FormatError(f"state tree is nested deeper than {MAX_DEPTH} levels")
+        if isinstance(node, list):
+            return [walk(v, sub(target, i), depth + 1) for i, v in enumerate(node)]
+        if not isinstance(node, dict):
+            if node is None or isinstance(node, (bool, int, float, str)):
+                return node
+            raise FormatError(f"invalid value {node!r} in the state tree")
+        if len(node) == 1:
+            (k, v), = node.items()
+            if k == "__tensor__":
+                return get_tensor(v, target if isinstance(target, torch.Tensor) else None)
+            if k == "__ndarray__":
+                t = get_tensor(v, torch.from_numpy(target) if isinstance(target, np.ndarray) and target.flags.writeable else None)
+                return target if isinstance(target, np.ndarray) and target.flags.writeable and target.shape == tuple(t.shape) else t.numpy()
+            if k == "__tuple__":
+                if not isinstance(v, list):
+                    raise FormatError("__tuple__ must hold a list")
+                return tuple(walk(x, sub(target, i), depth + 1) for i, x in enumerate(v))
+            if k == "__dict__":
+                if not isinstance(v, list) or not all(isinstance(p, list) and len(p) == 2 for p in v):
+                    raise FormatError("__dict__ must hold [key, value] pairs")
+                result = {}
+                for kk, vv in v:
+                    key = _decode_scalar(kk)
+                    result[key] = walk(vv, sub(target, key), depth + 1)
+                return result
+            if k == "__float__":
+                return _decode_scalar(node)
+            if k == "__bytes__":
+                if not isinstance(v, str):
+                    raise FormatError("__bytes__ must hold a base64 string")
+                try:
+                    return base64.b64decode(v, validate=True)
+                except ValueError:
+                    raise FormatError("__bytes__ holds invalid base64") from None
+            if k == "__dtype__":
+                dt = getattr(torch, v, None) if isinstance(v, str) else None
+                if not isinstance(dt, torch.dtype):
+                    raise FormatError(f"unknown torch dtype {v!r} in the state tree")
+                return dt
+            if k == "__np__":
+                if not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)):
+                    raise FormatError("__np__ must hold [dtype, value]")
+                try:
+                    dt = np.dtype(v[0])
+                except TypeError:
+                    raise FormatError(f"unknown numpy dtype {v[0]!r} in the state tree") from None
+                if dt.kind not in "biufc":
+                    raise FormatError(f"numpy dtype {v[0]!r} is not numeric")
+                return dt.type(_decode_scalar(v[1]))
+        for k in node:
+            if k.startswith("__") and k in MARKERS:
+                raise FormatError(f"marker {k!r} mixed with other keys in the state tree")
+        return {k: walk(v, sub(target, k), depth + 1) for k, v in node.items()}
+
+    return walk(tree, into, 0)

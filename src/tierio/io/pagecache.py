@@ -1,0 +1,102 @@
+"""Which byte ranges of a file are already in the page cache (mincore), and how to drop them.
+
+Why: O_DIRECT bypasses the page cache. That is right for a cold file (no copy, no cache pollution),
+but wasteful for a file that another process just read or wrote: its pages are in DRAM and a
+buffered read copies them at memcpy speed instead of going back to the device. Readers ask
+``residency`` once per file and pick buffered or direct I/O per window.
+
+mincore(2) needs an address, so the file is mapped read-only (no page is touched by mapping it);
+only the per-page residency vector is read. Outside Linux everything reports "not resident".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+PAGE = mmap.PAGESIZE
+_PROT_READ = 0x1
+_MAP_SHARED = 0x01
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+@lru_cache(maxsize=1)
+def _libc():
+    if not sys.platform.startswith("linux"):
+        return None
+    lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    lib.mmap.restype = ctypes.c_void_p
+    lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return lib
+
+
+@dataclass(frozen=True)
+class Residency:
+    """Per-page residency of a file: ``pages[i]`` is True when page i is in the page cache."""
+
+    size: int
+    pages: np.ndarray  # one uint8 per page, 1 = resident
+
+    def fraction(self, offset: int = 0, length: int | None = None) -> float:
+        """Resident fraction of the pages covering [offset, offset+length); 1.0 for an empty range."""
+        end = self.size if length is None else min(self.size, offset + length)
+        if end <= offset:
+            return 1.0
+        first, last = offset // PAGE, (end - 1) // PAGE + 1
+        window = self.pages[first:last]
+        return float(window.sum()) / max(1, len(window))
+
+    @property
+    def resident_bytes(self) -> int:
+        return min(self.size, int(self.pages.sum()) * PAGE)
+
+
+def residency(path: str | Path | int) -> Residency:
+    """Residency of every page of a file (a path or an open file descriptor)."""
+    own = not isinstance(path, int)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)) if own else path
+    try:
+        size = os.fstat(fd).st_size
+        npages = -(-size // PAGE)
+        lib = _libc()
+        if lib is None or size == 0:
+            return Residency(size, np.zeros(npages, np.uint8))
+        addr = lib.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
+        if addr in (None, _MAP_FAILED):
+            return Residency(size, np.zeros(npages, np.uint8))  # unmappable (some FUSE mounts): assume cold
+        try:
+            vec = (ctypes.c_ubyte * npages)()
+            if lib.mincore(addr, size, vec) != 0:
+                return Residency(size, np.zeros(npages, np.uint8))
+            return Residency(size, np.frombuffer(vec, np.uint8) & 1)
+        finally:
+            lib.munmap(addr, size)
+    finally:
+        if own:
+            os.close(fd)
+
+
+def resident_fraction(path: str | Path, offset: int = 0, length: int | None = None) -> float:
+    """Fraction of [offset, offset+length) of ``path`` that is in the page cache (0.0 .. 1.0)."""
+    return residency(path).fraction(offset, length)
+
+
+def evict(path: str | Path) -> None:
+    """Ask the kernel to drop a file's clean pages from the page cache (POSIX_FADV_DONTNEED)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)  # dirty pages cannot be dropped; write them back first
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

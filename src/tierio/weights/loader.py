@@ -1,0 +1,411 @@
+"""load() and load_into(): safetensors weights into tensors at disk bandwidth.
+
+CPU target: each shard (or each needed byte range of it) is read by O_DIRECT into one huge-page
+arena and the tensors are zero-copy views of it (see memory.py for why fresh tensors are slow).
+GPU target: GPUDirect Storage through kvikio when it works; otherwise windows go through a
+bounded ring of pinned buffers and are copied to the device on per-thread CUDA streams while
+the next windows are being read. load_into streams through the same ring into existing tensors.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import resource
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from tierio.errors import ConfigError, NotFoundError
+from tierio.format.safetensors import TensorEntry, torch_dtype
+from tierio.io import gds
+from tierio.weights import engine
+from tierio.weights.engine import Counters, Extent, Hook
+from tierio.weights.sources import ModelSource, Shard, resolve
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadStats:
+    """What a load moved and what it cost. ``cpu_seconds`` counts every thread of the process."""
+
+    source: str = ""
+    device: str = "cpu"
+    method: str = ""  # "host-arena" | "pinned-ring" | "gds" | "in-place"
+    files: int = 0
+    tensors: int = 0
+    bytes: int = 0  # bytes read from storage
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    direct_bytes: int = 0
+    buffered_bytes: int = 0  # read through the page cache (it already held them, or no O_DIRECT)
+    remote_bytes: int = 0
+    copied_tensors: int = 0  # tensors whose offset was not a multiple of their element size
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def cpu_s_per_gb(self) -> float:
+        return self.cpu_seconds / (self.bytes / 1e9) if self.bytes else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["gb_per_s"] = round(self.gb_per_s, 3)
+        d["cpu_s_per_gb"] = round(self.cpu_s_per_gb, 3)
+        return d
+
+
+def cpu_time() -> float:
+    """CPU seconds of this process, all threads, user + system (I/O threads included)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+class _Timer:
+    def __init__(self, stats: LoadStats) -> None:
+        self.stats = stats
+
+    def __enter__(self) -> _Timer:
+        self.t0, self.c0 = time.perf_counter(), cpu_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stats.seconds += time.perf_counter() - self.t0
+        self.stats.cpu_seconds += cpu_time() - self.c0
+
+
+def _device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"unknown device {device!r} ({exc}); use 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} asked for but CUDA is not available on this machine; use device='cpu'")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _select(src: ModelSource, keys: Iterable[str] | None) -> dict[Shard, list[tuple[str, TensorEntry]]]:
+    """Wanted tensors grouped by shard, in file order."""
+    table = src.tensors()
+    if keys is None:
+        wanted = list(table)
+    else:
+        wanted = list(dict.fromkeys(keys))
+        missing = [k for k in wanted if k not in table]
+        if missing:
+            raise NotFoundError(f"{src.url} has no tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}; `tierio weights inspect` lists them")
+    by_shard: dict[int, list[tuple[str, TensorEntry]]] = {}
+    order: dict[int, Shard] = {}
+    for name in wanted:
+        shard, e = table[name]
+        by_shard.setdefault(id(shard), []).append((name, e))
+        order[id(shard)] = shard
+    return {order[i]: sorted(v, key=lambda t: t[1].begin) for i, v in by_shard.items()}
+
+
+def _view(base: torch.Tensor, off: int, e: TensorEntry, stats: LoadStats) -> torch.Tensor:
+    """A tensor of ``e`` from the uint8 buffer ``base`` at byte ``off`` (copied only if misaligned)."""
+    dt = torch_dtype(e.dtype)
+    raw = base[off : off + e.nbytes]
+    if off % dt.itemsize:
+        raw = raw.clone()  # a fresh allocation is aligned; views of misaligned bytes are not allowed
+        stats.copied_tensors += 1
+    return raw.view(dt).view(e.shape)
+
+
+def _convert(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    # Only floating-point tensors change dtype (integer ids, masks and counters keep theirs),
+    # as transformers does for torch_dtype.
+    if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+        return t.to(dtype)
+    return t
+
+
+def load(
+    source: str | Any,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    keys: Iterable[str] | None = None,
+    *,
+    stats: LoadStats | None = None,
+    direct: bool = True,
+    chunk_size: int = engine.DEFAULT_CHUNK,
+    depth: int = engine.DEFAULT_DEPTH,
+    use_gds: bool | None = None,
+) -> dict[str, torch.Tensor]:
+    """Load tensors from a .safetensors file, a model directory, a tierio checkpoint or an s3:// URL.
+
+    ``keys`` limits the load to those tensors (only their byte ranges are read); ``dtype``
+    converts floating-point tensors; ``stats`` (a LoadStats) receives bytes, seconds and CPU time.
+    """
+    stats = stats if stats is not None else LoadStats()
+    dev = _device(device)
+    with _Timer(stats):
+        src = source if isinstance(source, ModelSource) else resolve(source)
+        out = load_resolved(src, dev, dtype, keys, stats=stats, direct=direct, chunk_size=chunk_size, depth=depth, use_gds=use_gds)
+    return out
+
+
+def load_resolved(
+    src: ModelSource,
+    dev: torch.device,
+    dtype: torch.dtype | None,
+    keys: Iterable[str] | None,
+    *,
+    stats: LoadStats,
+    direct: bool = True,
+    chunk_size: int = engine.DEFAULT_CHUNK,
+    depth: int = engine.DEFAULT_DEPTH,
+    use_gds: bool | None = None,
+    whole_files: bool = False,
+    hook: Hook | None = None,
+) -> dict[str, torch.Tensor]:
+    """The loader proper, for an already resolved source (the weight cache calls it with a hook)."""
+    keys = list(keys) if keys is not None else None
+    selected = _select(src, keys)
+    stats.source = stats.source or src.url
+    stats.device = str(dev)
+    extents: list[Extent] = []
+    names: dict[tuple[int, str], str] = {}  # (shard id, stored name) -> returned name
+    for shard, items in selected.items():
+        extents += engine.plan_extents(shard, [e for _, e in items], whole_file=whole_files)
+        for name, e in items:
+            names[(id(shard), e.name)] = name
+    if whole_files:  # the cache fill must see every byte, also of shards holding no wanted tensor
+        have = {id(s) for s in selected}
+        extents += [engine.Extent(s, 0, s.size) for s in src.shards if id(s) not in have and s.size]
+    engine.check_entries_fit(extents)
+    counters = Counters()
+    kw = dict(chunk_size=chunk_size, depth=depth, direct=direct, hook=hook, counters=counters)
+    out: dict[str, torch.Tensor] = {}
+    if dev.type == "cpu":
+        stats.method = "host-arena"
+        arenas = engine.read_to_arenas(extents, **kw)
+        for ext, arena in zip(extents, arenas):
+            if not ext.entries:
+                continue
+            base = arena.tensor()
+            for e in ext.entries:
+                out[names[(id(ext.shard), e.name)]] = _view(base, ext.offset_of(e), e, stats)
+    elif dev.type == "cuda":
+        out = _load_cuda(extents, names, dev, stats, kw, use_gds)
+    else:  # other accelerators: through host memory
+        stats.method = "host-arena"
+        arenas = engine.read_to_arenas(extents, **kw)
+        for ext, arena in zip(extents, arenas):
+            base = arena.tensor()
+            for e in ext.entries:
+                out[names[(id(ext.shard), e.name)]] = _view(base, ext.offset_of(e), e, stats).to(dev)
+    # Empty tensors own no bytes in the file.
+    for shard, items in selected.items():
+        for name, e in items:
+            if e.nbytes == 0:
+                out[name] = torch.empty(e.shape, dtype=torch_dtype(e.dtype), device=dev)
+    order = list(dict.fromkeys(keys)) if keys is not None else [n for items in selected.values() for n, _ in items]
+    ordered = {name: _convert(out[name], dtype) for name in order}
+    stats.files += len({id(x.shard) for x in extents})
+    stats.tensors += len(ordered)
+    stats.bytes += sum(x.end - x.start for x in extents)
+    stats.direct_bytes += counters.direct_bytes
+    stats.buffered_bytes += counters.buffered_bytes
+    stats.remote_bytes += counters.remote_bytes
+    return ordered
+
+
+# -- GPU ---------------------------------------------------------------------------------------
+_streams = threading.local()
+
+
+def _thread_stream(dev: torch.device):
+    s = getattr(_streams, "s", None)
+    if s is None or s.device != dev:
+        s = torch.cuda.Stream(device=dev)
+        _streams.s = s
+    return s
+
+
+def copy_to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy pinned host bytes to the device on this thread's stream and wait for it (the staging
+    buffer is reused right after); other threads keep reading meanwhile."""
+    stream = _thread_stream(dst.device)
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+    stream.synchronize()
+
+
+def _load_cuda(extents, names, dev, stats: LoadStats, kw, use_gds) -> dict[str, torch.Tensor]:
+    dev_bufs = [torch.empty(ext.capacity, dtype=torch.uint8, device=dev) for ext in extents]
+    by_ext = {id(e): b for e, b in zip(extents, dev_bufs)}
+    want_gds = gds.available() if use_gds is None else (use_gds and gds.available())
+    done = False
+    if want_gds and kw.get("hook") is None and all(x.shard.path is not None for x in extents):
+        try:
+            for ext, buf in zip(extents, dev_bufs):
+                n = ext.end - ext.start
+                got = gds.read_to_device(ext.shard.path, buf[:n], ext.start)
+                if got != n:
+                    raise OSError(f"short GDS read of {ext.shard.where}: {got} of {n} bytes")
+                kw["counters"].add("direct_bytes", n)
+            stats.method = "gds"
+            done = True
+        except Exception as exc:  # kvikio present but not working: say so once and fall back
+            log.warning("GPUDirect Storage read failed (%s); using the pinned staging ring", exc)
+    if not done:
+        stats.method = "pinned-ring"
+
+        def sink(ext: Extent, rel: int, view: memoryview, n: int, buf) -> None:
+            copy_to_device(by_ext[id(ext)][rel : rel + n], buf.tensor()[:n])
+
+        engine.read_through_ring(extents, sink, **kw)
+    torch.cuda.synchronize(dev)
+    out = {}
+    for ext, base in zip(extents, dev_bufs):
+        for e in ext.entries:
+            out[names[(id(ext.shard), e.name)]] = _view(base, ext.offset_of(e), e, stats)
+    return out
+
+
+# -- load_into ---------------------------------------------------------------------------------
+@dataclass
+class LoadIntoResult:
+    loaded: list[str]
+    missing: list[str]  # in the target, not in the source
+    unexpected: list[str]  # in the source, not in the target
+    stats: LoadStats
+
+
+def _target_tensors(target: Any) -> dict[str, torch.Tensor]:
+    if isinstance(target, torch.nn.Module):
+        return dict(target.state_dict(keep_vars=False))
+    if isinstance(target, Mapping):
+        bad = [k for k, v in target.items() if not isinstance(v, torch.Tensor)]
+        if bad:
+            raise ConfigError(f"load_into target has non-tensor values for {bad[:5]}")
+        return dict(target)
+    raise ConfigError(f"load_into needs a torch.nn.Module or a dict of tensors, got {type(target).__name__}")
+
+
+def load_into(
+    target: Any,
+    source: str | Any,
+    *,
+    strict: bool = True,
+    stats: LoadStats | None = None,
+    direct: bool = True,
+    chunk_size: int = engine.DEFAULT_CHUNK,
+    depth: int = engine.DEFAULT_DEPTH,
+) -> LoadIntoResult:
+    """Fill the existing tensors of a module or state dict in place from ``source``.
+
+    Bytes stream through the bounded staging ring straight into each tensor's memory (CPU or
+    GPU): no second copy of the model is ever allocated. A tensor whose dtype differs from the
+    file, or that is not contiguous, is staged in a temporary of its own size and converted.
+    With ``strict`` every target tensor must be in the source (tied weights excepted) and shapes
+    must match.
+    """
+    stats = stats if stats is not None else LoadStats()
+    with _Timer(stats):
+        src = source if isinstance(source, ModelSource) else resolve(source)
+        stats.source, stats.method = src.url, "in-place"
+        dests = _target_tensors(target)
+        table = src.tensors()
+        names = [k for k in dests if k in table]
+        missing = [k for k in dests if k not in table]
+        unexpected = [k for k in table if k not in dests]
+        if missing and strict:
+            # Tied weights (lm_head sharing the embedding) are saved once; they fill through their twin.
+            loaded_ptrs = {dests[k].untyped_storage().data_ptr() for k in names if dests[k].numel()}
+            really = [k for k in missing if dests[k].numel() and dests[k].untyped_storage().data_ptr() not in loaded_ptrs]
+            if really:
+                raise NotFoundError(f"{src.url} lacks tensor(s) {really[:5]} of the target; pass strict=False to skip them")
+        for k in names:
+            e = table[k][1]
+            if tuple(dests[k].shape) != e.shape:
+                raise ConfigError(f"tensor {k!r}: target shape {tuple(dests[k].shape)} but {table[k][0].where} holds {list(e.shape)}")
+        _fill(src, dests, names, table, stats, direct, chunk_size, depth)
+    stats.tensors += len(names)
+    return LoadIntoResult(names, missing, unexpected, stats)
+
+
+def _fill(src, dests, names, table, stats: LoadStats, direct, chunk_size, depth) -> None:
+    by_shard: dict[int, list[TensorEntry]] = {}
+    shards: dict[int, Shard] = {}
+    sinks: dict[tuple[int, str], torch.Tensor] = {}  # (shard, stored name) -> destination bytes
+    finish: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, staged temporary)
+    for k in names:
+        shard, e = table[k]
+        dst = dests[k]
+        if e.nbytes == 0:
+            continue
+        file_dt = torch_dtype(e.dtype)
+        if dst.dtype == file_dt and dst.is_contiguous():
+            stage = dst
+        else:
+            stage = torch.empty(e.shape, dtype=file_dt, device=dst.device)
+            finish.append((dst, stage))
+        sinks[(id(shard), e.name)] = stage.reshape(-1).view(torch.uint8)
+        by_shard.setdefault(id(shard), []).append(e)
+        shards[id(shard)] = shard
+    extents = [x for i, es in by_shard.items() for x in engine.plan_extents(shards[i], es)]
+    engine.check_entries_fit(extents)
+    plans: dict[int, tuple[list[int], list[TensorEntry]]] = {}
+    for ext in extents:
+        es = sorted(ext.entries, key=lambda e: e.begin)
+        plans[id(ext)] = ([ext.offset_of(e) for e in es], es)
+
+    def sink(ext: Extent, rel: int, view: memoryview, n: int, buf) -> None:
+        starts, es = plans[id(ext)]
+        src_t = buf.tensor()
+        i = max(0, bisect.bisect_right(starts, rel) - 1)
+        while i < len(es) and starts[i] < rel + n:
+            a, e = starts[i], es[i]
+            lo, hi = max(a, rel), min(a + e.nbytes, rel + n)
+            if lo < hi:
+                dst = sinks[(id(ext.shard), e.name)][lo - a : hi - a]
+                piece = src_t[lo - rel : hi - rel]
+                if dst.is_cuda:
+                    copy_to_device(dst, piece)
+                else:
+                    dst.copy_(piece)
+            i += 1
+
+    counters = Counters()
+    engine.read_through_ring(extents, sink, chunk_size=chunk_size, depth=depth, direct=direct, counters=counters)
+    with torch.no_grad():
+        for dst, staged in finish:
+            dst.copy_(staged)
+    if any(d.is_cuda for d in dests.values()):
+        torch.cuda.synchronize()
+    stats.files += len(shards)
+    stats.bytes += sum(x.end - x.start for x in extents)
+    stats.direct_bytes += counters.direct_bytes
+    stats.buffered_bytes += counters.buffered_bytes
+    stats.remote_bytes += counters.remote_bytes
+
+
+# -- inspect -----------------------------------------------------------------------------------
+def inspect(source: str | Any) -> dict[str, Any]:
+    """Shards, tensors (dtype, shape, bytes) and totals of a source, from headers only."""
+    src = source if isinstance(source, ModelSource) else resolve(source)
+    table = src.tensors()
+    return {
+        "source": src.url,
+        "kind": src.kind,
+        "files": [{"file": s.key, "bytes": s.size, "tensors": len(s.header.tensors), "metadata": s.header.metadata} for s in src.shards],
+        "tensors": {n: {"dtype": e.dtype, "shape": list(e.shape), "bytes": e.nbytes, "file": s.key} for n, (s, e) in table.items()},
+        "total_bytes": src.total_bytes,
+        "tensor_bytes": sum(e.nbytes for _, e in table.values()),
+    }
+
+
+__all__ = ["LoadStats", "LoadIntoResult", "load", "load_into", "inspect"]

@@ -1,0 +1,281 @@
+"""What a weight source is: one .safetensors file, a Hugging Face model directory, a plain directory
+of shards, or a tierio checkpoint; on a local path or behind a store URL (s3://...).
+
+``resolve`` lists the shard files and reads every shard's header (strictly validated), so the
+loaders know every tensor's file, byte range, dtype and shape before any data moves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from tierio.errors import FormatError, NotFoundError
+from tierio.format.safetensors import Header, TensorEntry, read_header_from
+from tierio.io.files import os_error
+from tierio.weights import checkpoint
+
+INDEX_SUFFIX = ".safetensors.index.json"
+HEAD_PROBE = 1 << 20  # first GET of a remote shard: the header of nearly every real file fits
+
+
+@dataclass(eq=False)  # identity semantics: shards are dict keys
+class Shard:
+    """One safetensors file of a model and its parsed header."""
+
+    key: str  # name relative to the source root ("model-00001-of-00002.safetensors")
+    size: int
+    where: str  # path or URL, for messages
+    mtime: float = 0.0
+    path: Path | None = None  # set for local files
+    store: Any = None  # set for remote files (a tierio Store)
+    header: Header | None = None
+
+    @property
+    def data_offset(self) -> int:
+        assert self.header is not None
+        return self.header.data_offset
+
+    def read(self, offset: int, view: memoryview) -> None:
+        """Fill ``view`` with the bytes at ``offset`` (buffered for local files; a ranged GET remotely)."""
+        if self.path is not None:
+            fd = _open(self.path)
+            try:
+                done = 0
+                while done < len(view):
+                    n = os.preadv(fd, [view[done:]], offset + done)
+                    if n == 0:
+                        raise FormatError(f"{self.where}: file ended at byte {offset + done}, expected {offset + len(view)}; it is truncated")
+                    done += n
+            except OSError as exc:
+                raise os_error(exc, self.path, "reading") from exc
+            finally:
+                os.close(fd)
+        else:
+            self.store.read_into(self.key, offset, view)
+
+
+@dataclass
+class ModelSource:
+    url: str
+    kind: str  # "file" | "hf" | "dir" | "tierio"
+    shards: list[Shard]
+    root: Path | None = None  # local directory holding the shards
+    store: Any = None  # the store for remote sources
+    keys: list[str] = field(default_factory=list)  # every file/key of the source (for caching)
+    names: dict[str, str] | None = None  # stored name -> returned name (tierio checkpoints)
+
+    @property
+    def local(self) -> bool:
+        return self.store is None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.size for s in self.shards)
+
+    def tensors(self) -> dict[str, tuple[Shard, TensorEntry]]:
+        """Returned tensor name -> (shard, entry); duplicate names across shards are an error."""
+        out: dict[str, tuple[Shard, TensorEntry]] = {}
+        for s in self.shards:
+            assert s.header is not None
+            for stored, e in s.header.tensors.items():
+                name = stored if self.names is None else self.names.get(stored)
+                if name is None:
+                    continue
+                if name in out:
+                    raise FormatError(
+                        f"tensor {name!r} appears in both {out[name][0].where} and {s.where}; "
+                        "a model's shards must hold disjoint tensors (resharded checkpoint slices are restored with tierio.ckpt)"
+                    )
+                out[name] = (s, e)
+        return out
+
+
+def _open(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise os_error(exc, path, "opening") from exc
+
+
+def is_remote(source: str | os.PathLike) -> bool:
+    text = str(source)
+    return "://" in text and not text.startswith("file://")
+
+
+def _local_path(source: str | os.PathLike) -> Path:
+    text = str(source)
+    if text.startswith("file://"):
+        text = urlsplit(text).path
+    return Path(text).expanduser().absolute()
+
+
+def _parent_url(url: str) -> tuple[str, str]:
+    """('s3://b/models?endpoint=..', 'x.safetensors') for 's3://b/models/x.safetensors?endpoint=..'."""
+    u = urlsplit(url)
+    parent, _, name = u.path.rstrip("/").rpartition("/")
+    return urlunsplit((u.scheme, u.netloc, parent, u.query, u.fragment)), name
+
+
+def _read_header_local(path: Path, where: str) -> Header:
+    fd = _open(path)
+    try:
+        size = os.fstat(fd).st_size
+        return read_header_from(lambda off, n: os.pread(fd, n, off), size, where)
+    finally:
+        os.close(fd)
+
+
+def _read_header_remote(shard: Shard) -> Header:
+    probe = bytearray(min(shard.size, HEAD_PROBE))
+    if probe:
+        shard.store.read_into(shard.key, 0, memoryview(probe))
+
+    def read(off: int, n: int) -> bytes:
+        if off + n <= len(probe):
+            return bytes(probe[off : off + n])
+        buf = bytearray(n)
+        shard.store.read_into(shard.key, off, memoryview(buf))
+        return bytes(buf)
+
+    return read_header_from(read, shard.size, shard.where)
+
+
+def _pick_kind(keys: list[str], read_json) -> tuple[str, list[str], bool]:
+    """(kind, shard keys, map names to the model subtree?) from a directory listing."""
+    top = [k for k in keys if "/" not in k]
+    index = sorted(k for k in top if k.endswith(INDEX_SUFFIX))
+    if index:
+        doc = read_json(index[0])
+        wm = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+            raise FormatError(f"{index[0]}: no 'weight_map' of tensor name -> file; the index is corrupt")
+        files = sorted(set(wm.values()))
+        missing = [f for f in files if f not in keys]
+        if missing:
+            raise NotFoundError(f"{index[0]} names shard(s) {missing[:3]} that are not in the model directory; the download is incomplete")
+        return "hf", files, False
+    if checkpoint.checkpoint_dir(keys) is not None:
+        _, shards = checkpoint.checkpoint_shards(keys, read_json)
+        return "tierio", shards, True
+    shards = sorted(k for k in top if k.endswith(".safetensors"))
+    if not shards:
+        raise NotFoundError("no .safetensors files (and no model.safetensors.index.json or tierio manifest.json) found")
+    return "dir", shards, False
+
+
+def resolve(source: str | os.PathLike, *, read_headers: bool = True) -> ModelSource:
+    """Find the shard files of ``source`` and read their headers."""
+    text = str(source)
+    if is_remote(text):
+        return _resolve_remote(text, read_headers)
+    path = _local_path(text)
+    if path.is_file():
+        shard = Shard(path.name, path.stat().st_size, str(path), path.stat().st_mtime, path=path)
+        src = ModelSource(str(path), "file", [shard], root=path.parent, keys=[path.name])
+    elif path.is_dir():
+        keys = sorted(
+            str(p.relative_to(path)).replace(os.sep, "/") for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
+        )
+
+        def read_json(key: str) -> Any:
+            return _load_json((path / key).read_bytes(), str(path / key))
+
+        try:
+            kind, shard_keys, subtree = _pick_kind(keys, read_json)
+        except NotFoundError as exc:
+            raise NotFoundError(f"{path}: {exc}") from None
+        shards = []
+        for k in shard_keys:
+            p = path / k
+            try:
+                st = p.stat()
+            except OSError as exc:
+                raise os_error(exc, p, "reading") from exc
+            shards.append(Shard(k, st.st_size, str(p), st.st_mtime, path=p))
+        src = ModelSource(str(path), kind, shards, root=path, keys=keys)
+        if subtree:
+            src.names = {}  # filled once headers are read
+    else:
+        raise NotFoundError(f"{path} does not exist; give a .safetensors file, a model directory or an s3:// URL")
+    if read_headers:
+        for s in src.shards:
+            s.header = _read_header_local(s.path, s.where)
+        _finish_names(src)
+    return src
+
+
+_stores: dict[str, Any] = {}
+_stores_lock = threading.Lock()
+
+
+def open_store(url: str) -> Any:
+    """One store per URL per process: creating an S3 client costs more than a cache-hit load."""
+    from tierio.storage import open_store as _open  # imported lazily (boto3 is slow to import)
+
+    with _stores_lock:
+        if url not in _stores:
+            _stores[url] = _open(url)
+        return _stores[url]
+
+
+def _resolve_remote(url: str, read_headers: bool) -> ModelSource:
+    u = urlsplit(url)
+    if u.path.endswith(".safetensors"):
+        parent, name = _parent_url(url)
+        store = open_store(parent)
+        info = store.stat(name)
+        shards = [Shard(name, info.size, _where(store, name), info.mtime, store=store)]
+        src = ModelSource(url, "file", shards, store=store, keys=[name])
+    else:
+        store = open_store(url)
+        keys = [k for k in store.list("") if not k.rsplit("/", 1)[-1].startswith(".")]
+        if not keys:
+            raise NotFoundError(f"{url} holds no objects; check the bucket and prefix")
+
+        def read_json(key: str) -> Any:
+            from tierio.storage import read_bytes
+
+            return _load_json(read_bytes(store, key), _where(store, key))
+
+        try:
+            kind, shard_keys, subtree = _pick_kind(keys, read_json)
+        except NotFoundError as exc:
+            raise NotFoundError(f"{url}: {exc}") from None
+        with ThreadPoolExecutor(8) as pool:
+            infos = list(pool.map(store.stat, shard_keys))
+        shards = [Shard(k, i.size, _where(store, k), i.mtime, store=store) for k, i in zip(shard_keys, infos)]
+        src = ModelSource(url, kind, shards, store=store, keys=keys, names={} if subtree else None)
+    if read_headers:
+        with ThreadPoolExecutor(8) as pool:
+            for s, h in zip(src.shards, pool.map(_read_header_remote, src.shards)):
+                s.header = h
+        _finish_names(src)
+    return src
+
+
+def _where(store: Any, key: str) -> str:
+    base = getattr(store, "url", "").split("?", 1)[0].rstrip("/")
+    return f"{base}/{key}"
+
+
+def _finish_names(src: ModelSource) -> None:
+    if src.names is not None:
+        stored = [n for s in src.shards for n in s.header.tensors]  # type: ignore[union-attr]
+        src.names = checkpoint.model_names(stored)
+
+
+def _load_json(raw: bytes, where: str) -> Any:
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{where} is not valid JSON ({exc})") from None
+
+
+__all__ = ["ModelSource", "Shard", "resolve", "is_remote"]
