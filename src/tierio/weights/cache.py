@@ -244,7 +244,7 @@ class WeightCache:
                 why = self._fresh(rec, name, src)
                 if why is None:
                     stats.extra["cache"] = "hit"
-                    os.utime(d / RECORD)  # LRU clock
+                    _mark_used(d / RECORD)
                     fcntl.flock(fd, fcntl.LOCK_SH)  # others may load it too; eviction must wait
                     return self._from_cache(name, rec, stats, load)
                 log.info("cached copy of %s is stale (%s); fetching again", url, why)
@@ -355,6 +355,7 @@ class WeightCache:
                 "files": sizes, "files_order": [s.key for s in src.shards], "chunk": self.chunk_size, "created": time.time(),
             }
             (tmp / RECORD).write_text(json.dumps(record, indent=1))
+            _mark_used(tmp / RECORD)
             fsync_dir(tmp)
             final = self._entry_dir(name)
             if final.exists():
@@ -368,6 +369,15 @@ class WeightCache:
             raise
         stats.extra["cached_at"] = str(self._local_path(name, record))
         return self._local_path(name, record), out
+
+
+def _mark_used(record: Path) -> None:
+    """Advance the entry's LRU clock (the record's mtime) with a nanosecond timestamp.
+
+    The kernel stamps files with a coarse clock (a few ms), so two uses in quick succession
+    would tie; an explicit time_ns() keeps their order."""
+    now = time.time_ns()
+    os.utime(record, ns=(now, now))
 
 
 __all__ = ["WeightCache", "CacheEntry"]
