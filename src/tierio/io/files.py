@@ -49,6 +49,18 @@ _bounce: BufferPool | None = None
 _warned_dirs: set[str] = set()
 
 
+def _reset_after_fork() -> None:
+    """A forked child (a DataLoader worker) inherits the pool objects but none of their threads,
+    and possibly a lock held by a parent thread: start afresh so its first I/O does not hang."""
+    global _executor, _executor_lock, _bounce
+    _executor, _bounce = None, None
+    _executor_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
 def executor() -> ThreadPoolExecutor:
     """Shared pool for file requests (threads block in the kernel with the GIL released)."""
     global _executor

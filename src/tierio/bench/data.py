@@ -1,0 +1,258 @@
+"""`tierio bench data`: sequence packing, the loader and shard streaming, each against its peer.
+
+One run, four figures (each a median of --repeat runs where it is timed):
+
+  pack_fill               real tokens / slots when 1,000,000 documents with log-normal lengths
+                          (mean ~400, clipped to 4,096) are packed best-fit-decreasing into 4,096
+  pack_docs_per_s         documents planned per second (kept under "ratios" with the others)
+  loader_vs_memmap        tokens/s through TokenWindowDataset + a 2-worker DataLoader, divided by
+                          tokens/s of a plain numpy.memmap loop building the same int64 batches
+  stream_cached_vs_local  second-epoch tokens/s of StreamingDataset from a local SeaweedFS S3
+                          server through the NVMe cache, divided by tokens/s reading the same
+                          shards from local disk in place; the first (downloading) epoch is
+                          reported as stream_first_epoch_vs_local
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tierio.bench import common
+from tierio.units import parse_size
+
+TARGETS = {
+    "pack_fill": (">=", 0.99),
+    "pack_docs_per_s": (">=", 1_000_000),
+    "loader_vs_memmap": (">=", 0.9),
+    "stream_cached_vs_local": (">=", 0.9),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--docs", type=int, default=1_000_000, help="documents to pack (default 1,000,000)")
+    p.add_argument("--seq-len", type=int, default=4096, help="pack / window length (default 4096)")
+    p.add_argument("--loader-size", default="256MiB", help="token file for the loader test (default 256MiB)")
+    p.add_argument("--stream-size", default="512MiB", help="packed shards for the streaming test (default 512MiB)")
+    p.add_argument("--shard-size", default="64MiB", help="shard size (default 64MiB)")
+    p.add_argument("--batch-size", type=int, default=256, help="loader batch size in windows (default 256: 1M tokens per batch)")
+    p.add_argument("--repeat", type=int, default=3, help="timed repetitions per figure (default 3)")
+    p.add_argument("--passes", type=int, default=4, help="passes over the token file per loader measurement (default 4)")
+    p.add_argument("--dir", default=None, help="work directory (default: a temporary directory)")
+    p.add_argument("--skip-s3", action="store_true", help="skip the SeaweedFS streaming figure")
+
+
+# -- packing ---------------------------------------------------------------------------------
+
+def lognormal_lengths(n: int, mean: float = 400.0, sigma: float = 1.0, clip: int = 4096, seed: int = 0) -> np.ndarray:
+    mu = np.log(mean) - sigma**2 / 2  # E[exp(N(mu, sigma))] = mean
+    rng = np.random.default_rng(seed)
+    return np.clip(np.rint(rng.lognormal(mu, sigma, n)), 1, clip).astype(np.int64)
+
+
+def bench_pack(n: int, seq_len: int, repeat: int) -> dict[str, Any]:
+    from tierio.data.packing import plan_packing
+
+    lens = lognormal_lengths(n, clip=seq_len)
+    out: dict[str, Any] = {"docs": n, "seq_len": seq_len, "doc_len_mean": float(lens.mean()),
+                           "padding_fraction_unpacked": float(1 - lens.mean() / seq_len)}
+    for algo in ("bfd", "ffd"):
+        times = []
+        plan = None
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            plan = plan_packing(lens, seq_len, algorithm=algo, batch_size=8)
+            times.append(time.perf_counter() - t0)
+        med = statistics.median(times)
+        out[algo] = {**plan.stats.to_dict(), "seconds_median": med, "seconds": times, "docs_per_s": n / med}  # type: ignore[union-attr]
+    return out
+
+
+# -- loader vs memmap ----------------------------------------------------------------------------
+
+def _token_file(work: Path, nbytes: int) -> Path:
+    from tierio.data.indexed import IndexedDatasetWriter
+
+    prefix = work / "tokens"
+    rng = np.random.default_rng(1)
+    per_doc = 1 << 20
+    total = nbytes // 2
+    with IndexedDatasetWriter(prefix, dtype=np.uint16) as w:
+        for start in range(0, total, per_doc):
+            w.add_document(rng.integers(0, 50000, min(per_doc, total - start), dtype=np.uint16))
+    return prefix
+
+
+def _memmap_loop(bin_path: Path, seq_len: int, batch: int, windows: int, passes: int = 1) -> float:
+    """The peer: a plain numpy.memmap loop building the same int64 (input, label) batches."""
+    mm = np.memmap(bin_path, dtype=np.uint16, mode="r")
+    import torch
+
+    t0 = time.perf_counter()
+    tokens = 0
+    for _ in range(passes):
+        for b0 in range(0, windows - batch + 1, batch):
+            rows = np.empty((batch, seq_len + 1), dtype=np.int64)
+            for r in range(batch):
+                s = (b0 + r) * seq_len
+                rows[r] = mm[s : s + seq_len + 1]
+            t = torch.from_numpy(rows)
+            x, y = t[:, :-1], t[:, 1:]
+            tokens += x.numel()
+    dt = time.perf_counter() - t0
+    del mm
+    return tokens / dt
+
+
+def _loader_loop(prefix: Path, seq_len: int, batch: int, passes: int = 1) -> float:
+    """tierio: TokenWindowDataset through a 2-worker DataLoader with the production settings."""
+    from tierio.data.loader import build_loader, loader_settings
+    from tierio.data.window import TokenWindowDataset
+
+    ds = TokenWindowDataset(prefix, seq_len)
+    loader = build_loader(ds, batch, settings=loader_settings(num_workers=2))
+    it = iter(loader)
+    next(it)  # worker start-up is not throughput: the clock starts after the first batch
+    tokens = 0
+    t0 = time.perf_counter()
+    for b in it:
+        tokens += b["input_ids"].numel()
+    for _ in range(passes - 1):  # persistent workers: later epochs reuse them
+        for b in loader:
+            tokens += b["input_ids"].numel()
+    dt = time.perf_counter() - t0
+    return tokens / dt
+
+
+def bench_loader(work: Path, nbytes: int, seq_len: int, batch: int, repeat: int, passes: int = 4) -> dict[str, Any]:
+    from tierio.data.indexed import bin_path
+
+    prefix = _token_file(work, nbytes)
+    bpath = bin_path(prefix)
+    windows = (bpath.stat().st_size // 2 - 1) // seq_len
+    _memmap_loop(bpath, seq_len, batch, windows)  # warm the page cache: both read from memory
+    mem, tio = [], []
+    for _ in range(repeat):  # interleaved, so drift on a shared machine hits both alike
+        mem.append(_memmap_loop(bpath, seq_len, batch, windows, passes))
+        tio.append(_loader_loop(prefix, seq_len, batch, passes))
+    return {"bytes": bpath.stat().st_size, "windows": windows, "batch_size": batch, "workers": 2, "passes": passes,
+            "memmap_tokens_per_s": statistics.median(mem), "loader_tokens_per_s": statistics.median(tio),
+            "memmap_runs": mem, "loader_runs": tio}
+
+
+# -- streaming: S3 through the cache vs local disk ------------------------------------------------
+
+def _packed_samples(nbytes: int, seq_len: int):
+    """Packed samples {tokens uint16, seqlens int32} totalling about ``nbytes`` of tokens."""
+    from tierio.data.packing import plan_packing
+
+    rng = np.random.default_rng(2)
+    per = seq_len * 2
+    count = max(1, nbytes // per)
+    lens = lognormal_lengths(count * 12, clip=seq_len, seed=3)
+    plan = plan_packing(lens, seq_len)
+    pool = rng.integers(0, 50000, seq_len, dtype=np.uint16)
+    for i in range(min(count, len(plan))):
+        _, dl = plan.pack(i)
+        n = int(dl.sum())
+        yield {"tokens": pool[:n], "seqlens": dl.astype(np.int32)}
+
+
+def _epoch(ds) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    tokens = 0
+    for s in ds:
+        tokens += len(s["tokens"])
+    return tokens / (time.perf_counter() - t0), tokens
+
+
+def bench_stream(work: Path, nbytes: int, seq_len: int, shard_size: int, repeat: int) -> dict[str, Any]:
+    from tierio.data.shards import ShardWriter
+    from tierio.data.streaming import StreamingDataset
+    from tierio.storage import S3Store, open_store
+    from tierio.storage.seaweed import SeaweedServer
+
+    local_dir = work / "shards-local"
+    with ShardWriter(open_store(str(local_dir)), ["tokens", "seqlens"], shard_size=shard_size) as w:
+        w.write_all(_packed_samples(nbytes, seq_len))
+    man = w.manifest
+    assert man is not None
+    with SeaweedServer(data_dir=work / "seaweed", volume_size_mb=max(256, shard_size * 4 >> 20)) as server:
+        saved = {k: os.environ.get(k) for k in server.env()}
+        os.environ.update(server.env())
+        try:
+            bucket = f"bench-{uuid.uuid4().hex[:8]}"
+            S3Store(bucket, endpoint=server.endpoint).create_bucket()
+            url = server.url(f"{bucket}/packed")
+            remote = open_store(url)
+            t0 = time.perf_counter()
+            for key in sorted(local_dir.iterdir()):
+                if key.is_file() and not key.name.startswith("."):
+                    remote.put_file(key.name, key)
+            upload_s = time.perf_counter() - t0
+            kw = dict(seed=0, shuffle_buffer=1024, prefetch=2)
+            local_runs, cached_runs, first_runs = [], [], []
+            tokens = 0
+            for r in range(repeat):
+                cache_dir = work / f"cache-{r}"
+                stream = StreamingDataset(url, cache_dir, 4 * man.total_bytes + 1, **kw)
+                first, tokens = _epoch(stream)  # epoch 0 downloads (prefetching ahead)
+                cached, _ = _epoch(stream)  # epoch 1 reads the verified local copies
+                local, _ = _epoch(StreamingDataset(str(local_dir), None, **kw))
+                first_runs.append(first)
+                cached_runs.append(cached)
+                local_runs.append(local)
+                shutil.rmtree(cache_dir, ignore_errors=True)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    return {"bytes": man.total_bytes, "shards": len(man.shards), "samples": man.num_samples, "tokens": tokens,
+            "upload_s": upload_s,
+            "local_tokens_per_s": statistics.median(local_runs),
+            "cached_tokens_per_s": statistics.median(cached_runs),
+            "first_epoch_tokens_per_s": statistics.median(first_runs),
+            "local_runs": local_runs, "cached_runs": cached_runs, "first_epoch_runs": first_runs}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    own = args.dir is None
+    work = Path(tempfile.mkdtemp(prefix="tierio-bench-data-", dir=args.dir))
+    try:
+        pack = bench_pack(args.docs, args.seq_len, args.repeat)
+        loader = bench_loader(work, parse_size(args.loader_size), args.seq_len, args.batch_size, args.repeat, args.passes)
+        stream = None
+        if not args.skip_s3:
+            stream = bench_stream(work, parse_size(args.stream_size), args.seq_len, parse_size(args.shard_size), args.repeat)
+    finally:
+        if own:
+            shutil.rmtree(work, ignore_errors=True)
+    ratios: dict[str, Any] = {
+        "pack_fill": round(pack["bfd"]["fill"], 5),
+        "pack_docs_per_s": round(pack["bfd"]["docs_per_s"]),
+        "loader_vs_memmap": common.ratio(loader["loader_tokens_per_s"], loader["memmap_tokens_per_s"]),
+    }
+    if stream is not None:
+        ratios["stream_cached_vs_local"] = common.ratio(stream["cached_tokens_per_s"], stream["local_tokens_per_s"])
+        ratios["stream_first_epoch_vs_local"] = common.ratio(stream["first_epoch_tokens_per_s"], stream["local_tokens_per_s"])
+    return {
+        "benchmark": "data",
+        "machine": common.machine_facts(),
+        "ratios": ratios,
+        "targets": {k: f"{op} {v}" for k, (op, v) in TARGETS.items()},
+        "met": common.check_targets(ratios, TARGETS),
+        "pack": pack,
+        "loader": loader,
+        "stream": stream,
+    }

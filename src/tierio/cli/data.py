@@ -1,0 +1,139 @@
+"""`tierio data`: build, inspect, merge and pack Megatron-compatible token datasets."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from tierio.cli.output import print_json, print_table
+from tierio.units import human_bytes
+
+EPILOG = """\
+examples:
+  tierio data build docs.jsonl corpus                   JSONL of token ids -> corpus.bin + corpus.idx
+  tierio data build docs.jsonl corpus --key input_ids   token ids under another JSON field
+  tierio data build arr.npy corpus --vocab-size 50257   a .npy (1-D: one document, 2-D: one per row)
+  tierio data build text.jsonl corpus --tokenizer tokenizer.json --append-eos 0
+                                                        raw text, tokenized locally (needs `tokenizers`)
+  tierio data inspect corpus --json                     counts, dtype, length percentiles
+  tierio data merge all part1 part2 part3               concatenate datasets (same dtype)
+  tierio data pack corpus --seq-len 4096                plan best-fit-decreasing packs -> corpus.pack4096.npz
+  tierio data pack corpus --seq-len 4096 --shards s3://bucket/packed?endpoint=http://127.0.0.1:8333
+                                                        ... and write the packs as 64 MiB tar shards
+
+A dataset is named by its prefix: `corpus` means corpus.bin + corpus.idx (Megatron-LM's format).
+"""
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "data",
+        help="token datasets: build, inspect, merge, pack",
+        description="Build, inspect, merge and pack Megatron-LM compatible token datasets (.bin/.idx).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.set_defaults(handler=lambda args: (p.print_help(), 2)[1])
+    ds = p.add_subparsers(dest="data_command", metavar="ACTION")
+
+    b = ds.add_parser("build", help="build a dataset from JSONL token ids, .npy, or text + tokenizer.json",
+                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("input", help="input file: .jsonl (token ids), .npy, or text (.txt/.jsonl) with --tokenizer")
+    b.add_argument("output", help="output prefix (writes OUTPUT.bin and OUTPUT.idx)")
+    b.add_argument("--key", default="tokens", help="JSON field with token ids (default: tokens)")
+    b.add_argument("--tokenizer", help="local tokenizer.json to tokenize raw text")
+    b.add_argument("--text-key", default="text", help="JSON field with text when tokenizing .jsonl (default: text)")
+    b.add_argument("--vocab-size", type=int, help="vocabulary size: picks uint16 below 65,500, else int32")
+    b.add_argument("--append-eos", type=int, metavar="ID", help="append this token id to every document")
+    b.add_argument("--json", action="store_true", help="print JSON")
+    b.set_defaults(handler=_build)
+
+    i = ds.add_parser("inspect", help="counts, dtype and document-length percentiles of a dataset")
+    i.add_argument("prefix", help="dataset prefix (or its .bin/.idx path)")
+    i.add_argument("--json", action="store_true", help="print JSON")
+    i.set_defaults(handler=_inspect)
+
+    m = ds.add_parser("merge", help="concatenate datasets into one")
+    m.add_argument("output", help="output prefix")
+    m.add_argument("inputs", nargs="+", help="input prefixes, in order")
+    m.add_argument("--json", action="store_true", help="print JSON")
+    m.set_defaults(handler=_merge)
+
+    k = ds.add_parser("pack", help="plan sequence packing (BFD/FFD); optionally write packed shards",
+                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    k.add_argument("prefix", help="dataset prefix")
+    k.add_argument("--seq-len", type=int, default=4096, help="tokens per pack (default 4096)")
+    k.add_argument("--algorithm", choices=["bfd", "ffd"], default="bfd", help="best-fit or first-fit decreasing (default bfd)")
+    k.add_argument("--window", type=int, default=None, help="documents planned together (default 262144)")
+    k.add_argument("--batch-size", type=int, default=None, help="also report the variation of real tokens per step")
+    k.add_argument("--plan", help="where to write the plan (default PREFIX.packSEQLEN.npz)")
+    k.add_argument("--shards", metavar="URL", help="write packed samples as tar shards to this store URL")
+    k.add_argument("--shard-size", default="64MiB", help="target shard size (default 64MiB)")
+    k.add_argument("--json", action="store_true", help="print JSON")
+    k.set_defaults(handler=_pack)
+
+
+def _show(title: str, d: dict, as_json: bool) -> None:
+    if as_json:
+        print_json(d)
+        return
+    rows = []
+    for key, v in d.items():
+        if key.endswith("bytes") and isinstance(v, int):
+            v = f"{v} ({human_bytes(v)})"
+        elif isinstance(v, float):
+            v = f"{v:.4f}"
+        rows.append((key, v))
+    print_table(title, ["field", "value"], rows)
+
+
+def _build(args) -> int:
+    from tierio.data.builder import build_indexed, iter_input
+
+    t0 = time.perf_counter()
+    docs = iter_input(args.input, key=args.key, tokenizer=args.tokenizer, text_key=args.text_key, append_eos=args.append_eos)
+    st = build_indexed(docs, args.output, vocab_size=args.vocab_size).to_dict()
+    st["seconds"] = round(time.perf_counter() - t0, 3)
+    _show(f"built {args.output}", st, args.json)
+    return 0
+
+
+def _inspect(args) -> int:
+    from tierio.data.builder import inspect_indexed
+
+    _show(f"dataset {args.prefix}", inspect_indexed(args.prefix), args.json)
+    return 0
+
+
+def _merge(args) -> int:
+    from tierio.data.builder import merge_indexed
+
+    _show(f"merged into {args.output}", merge_indexed(args.inputs, args.output).to_dict(), args.json)
+    return 0
+
+
+def _pack(args) -> int:
+    from tierio.data.indexed import IndexedDataset
+    from tierio.data.packing import DEFAULT_WINDOW, PackedDataset, plan_packing, save_plan
+
+    ds = IndexedDataset(args.prefix)
+    t0 = time.perf_counter()
+    plan = plan_packing(
+        ds.document_lengths(), args.seq_len, algorithm=args.algorithm, window=args.window or DEFAULT_WINDOW,
+        batch_size=args.batch_size, source={"prefix": ds.prefix, "fingerprint": ds.fingerprint()},
+    )
+    seconds = time.perf_counter() - t0
+    out = Path(args.plan) if args.plan else Path(f"{ds.prefix}.pack{args.seq_len}.npz")
+    save_plan(plan, out)
+    result = {"plan": str(out), **plan.stats.to_dict(), "plan_seconds": round(seconds, 4),  # type: ignore[union-attr]
+              "docs_per_s": round(len(plan.doc_ids) / seconds) if seconds > 0 else None}
+    if args.shards:
+        from tierio.data.shards import write_packed_shards
+
+        t1 = time.perf_counter()
+        man = write_packed_shards(PackedDataset(ds, plan), args.shards, shard_size=args.shard_size)
+        result.update({"shards_url": args.shards, "shards": len(man.shards), "shard_bytes": man.total_bytes,
+                       "shard_seconds": round(time.perf_counter() - t1, 3)})
+    _show(f"packed {ds.prefix} into {args.seq_len}-token sequences", result, args.json)
+    return 0

@@ -1,0 +1,289 @@
+"""Build indexed token datasets from streams of documents; merge several into one.
+
+Every input is read as an iterator of documents, so a corpus of any size is built with memory
+bounded by one document plus the index (12 bytes per document). When the vocabulary size is
+not known up front the tokens are written as int32 and narrowed to uint16 at the end if every
+id fits, in one streaming pass: the smallest fitting dtype either way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tierio.errors import ConfigError, FormatError, NotFoundError
+from tierio.data.indexed import (
+    UINT16_VOCAB_LIMIT,
+    IndexedDataset,
+    IndexedDatasetWriter,
+    bin_path,
+    idx_path,
+    optimal_dtype,
+    strip_suffix,
+    write_index,
+)
+from tierio.io.durable import temp_name
+from tierio.io.files import os_error
+
+
+@dataclass
+class BuildStats:
+    prefix: str
+    documents: int
+    sequences: int
+    tokens: int
+    dtype: str
+    max_token_id: int
+    bin_bytes: int
+    idx_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# -- inputs ---------------------------------------------------------------------------------
+
+def iter_jsonl_tokens(path: str | Path, key: str = "tokens") -> Iterator[np.ndarray]:
+    """Documents from JSON Lines: each line a list of ids, or an object with ``key`` -> list."""
+    p = Path(path)
+    try:
+        f = open(p, "rb")
+    except OSError as exc:
+        raise os_error(exc, p, "opening") from exc
+    with f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise FormatError(f"{p}:{lineno}: not valid JSON ({exc.msg}); each line must be one document") from None
+            if isinstance(obj, dict):
+                if key not in obj:
+                    raise FormatError(f"{p}:{lineno}: object has no {key!r} field; pass --key with the field holding token ids")
+                obj = obj[key]
+            if not isinstance(obj, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in obj):
+                raise FormatError(f"{p}:{lineno}: expected a list of integer token ids")
+            yield np.asarray(obj, dtype=np.int64)
+
+
+def iter_npy_docs(path: str | Path) -> Iterator[np.ndarray]:
+    """Documents from a .npy file: a 1-D array is one document, a 2-D array one per row."""
+    p = Path(path)
+    if not p.exists():
+        raise NotFoundError(f"{p} does not exist")
+    try:
+        arr = np.load(p, mmap_mode="r", allow_pickle=False)
+    except ValueError as exc:
+        raise FormatError(f"{p}: not a plain numeric .npy array ({exc})") from None
+    if arr.dtype.kind not in "iu":
+        raise FormatError(f"{p}: token arrays must be integers, got {arr.dtype}")
+    if arr.ndim == 1:
+        yield arr
+    elif arr.ndim == 2:
+        for row in arr:
+            yield row
+    else:
+        raise FormatError(f"{p}: expected a 1-D (one document) or 2-D (one per row) array, got shape {arr.shape}")
+
+
+def load_tokenizer(tokenizer_json: str | Path):
+    """A Hugging Face ``tokenizers`` tokenizer from a local tokenizer.json (no network)."""
+    try:
+        from tokenizers import Tokenizer  # optional dependency
+    except ImportError:
+        raise ConfigError(
+            "raw text input needs the 'tokenizers' package, which is not installed: "
+            "pip install tokenizers, or tokenize elsewhere and pass JSONL of token ids or .npy"
+        ) from None
+    p = Path(tokenizer_json)
+    if not p.is_file():
+        raise NotFoundError(f"tokenizer file {p} does not exist; pass the path of a local tokenizer.json")
+    try:
+        return Tokenizer.from_file(str(p))
+    except Exception as exc:  # the Rust binding raises its own exception type
+        raise FormatError(f"{p}: cannot load tokenizer ({exc})") from None
+
+
+def iter_text_docs(
+    path: str | Path, tokenizer_json: str | Path, text_key: str = "text", append_eos: int | None = None,
+    batch: int = 256,
+) -> Iterator[np.ndarray]:
+    """Tokenize raw text: ``.jsonl`` with a ``text_key`` field, or plain text with one document per line."""
+    tok = load_tokenizer(tokenizer_json)
+    p = Path(path)
+
+    def texts() -> Iterator[str]:
+        try:
+            f = open(p, encoding="utf-8")
+        except OSError as exc:
+            raise os_error(exc, p, "opening") from exc
+        with f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                if p.suffix == ".jsonl":
+                    try:
+                        obj = json.loads(line)
+                        yield obj[text_key]
+                    except (json.JSONDecodeError, KeyError, TypeError):
+                        raise FormatError(f"{p}:{lineno}: expected a JSON object with a {text_key!r} string") from None
+                else:
+                    yield line.rstrip("\n")
+
+    pending: list[str] = []
+    for text in texts():
+        pending.append(text)
+        if len(pending) == batch:
+            yield from _encode(tok, pending, append_eos)
+            pending = []
+    if pending:
+        yield from _encode(tok, pending, append_eos)
+
+
+def _encode(tok, texts: list[str], append_eos: int | None) -> Iterator[np.ndarray]:
+    for enc in tok.encode_batch(texts):
+        ids = enc.ids if append_eos is None else [*enc.ids, append_eos]
+        yield np.asarray(ids, dtype=np.int64)
+
+
+def iter_input(
+    path: str | Path, *, key: str = "tokens", tokenizer: str | Path | None = None, text_key: str = "text",
+    append_eos: int | None = None,
+) -> Iterator[np.ndarray]:
+    """Pick the reader for ``path``: .npy, JSONL of ids, or text/JSONL text when a tokenizer is given."""
+    p = Path(path)
+    if not p.exists():
+        raise NotFoundError(f"input {p} does not exist")
+    if tokenizer is not None:
+        return iter_text_docs(p, tokenizer, text_key=text_key, append_eos=append_eos)
+    if p.suffix == ".npy":
+        return iter_npy_docs(p)
+    if p.suffix in (".jsonl", ".json"):
+        docs = iter_jsonl_tokens(p, key=key)
+        if append_eos is None:
+            return docs
+        return (np.append(d, append_eos) for d in docs)
+    raise ConfigError(f"{p}: unknown input type {p.suffix!r}; use .jsonl (token ids), .npy, or text with --tokenizer")
+
+
+# -- building -------------------------------------------------------------------------------
+
+def build_indexed(
+    documents: Iterable[Any], prefix: str | Path, *, vocab_size: int | None = None, dtype: Any = None,
+) -> BuildStats:
+    """Write ``documents`` (each a 1-D sequence of token ids) as ``prefix.bin`` + ``prefix.idx``.
+
+    dtype: explicit token dtype; else derived from ``vocab_size`` (uint16 below 65,500); else
+    int32 while streaming, narrowed to uint16 at the end when the largest id allows it.
+    """
+    narrow_later = dtype is None and vocab_size is None
+    dt = np.dtype(dtype) if dtype is not None else (optimal_dtype(vocab_size) if vocab_size else np.dtype(np.int32))
+    max_id = -1
+    with IndexedDatasetWriter(prefix, dtype=dt) as w:
+        for doc in documents:
+            arr = np.asarray(doc)
+            if arr.size:
+                if arr.dtype.kind in "iu":
+                    lo, hi = int(arr.min()), int(arr.max())
+                    if lo < 0:
+                        raise FormatError(f"document {w.documents}: negative token id {lo}; token ids start at 0")
+                    if vocab_size is not None and hi >= vocab_size:
+                        raise FormatError(f"document {w.documents}: token id {hi} >= vocabulary size {vocab_size}")
+                    max_id = max(max_id, hi)
+            w.add_document(arr)
+    if narrow_later and max_id < UINT16_VOCAB_LIMIT:
+        _narrow_to_uint16(prefix)
+    ds = IndexedDataset(prefix)
+    try:
+        stats = BuildStats(
+            prefix=str(prefix), documents=ds.num_documents, sequences=len(ds), tokens=ds.num_tokens,
+            dtype=str(ds.dtype), max_token_id=max_id,
+            bin_bytes=bin_path(prefix).stat().st_size, idx_bytes=idx_path(prefix).stat().st_size,
+        )
+    finally:
+        ds.close()
+    return stats
+
+
+def _narrow_to_uint16(prefix: str | Path) -> None:
+    """Rewrite an int32 dataset as uint16 in 8 MiB pieces (ids already known to fit)."""
+    src = IndexedDataset(prefix)
+    try:
+        lengths = np.array(src.sequence_lengths)
+        docs = np.array(src.document_indices)
+        flat = src.flat_tokens()
+        final = bin_path(prefix)
+        tmp = temp_name(final)
+        step = 4 << 20
+        try:
+            with open(tmp, "wb", buffering=8 << 20) as f:
+                for start in range(0, len(flat), step):
+                    f.write(np.asarray(flat[start : start + step], dtype=np.uint16).tobytes())
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise os_error(exc, final, "narrowing tokens to uint16 in") from exc
+    finally:
+        src.close()
+    # .bin first, then .idx: a crash between the two leaves a pair that fails validation loudly
+    os.replace(tmp, final)
+    write_index(idx_path(prefix), np.uint16, lengths, docs)
+
+
+def merge_indexed(inputs: list[str | Path], prefix: str | Path) -> BuildStats:
+    """Concatenate several datasets (same dtype) into one, documents in input order."""
+    if not inputs:
+        raise ConfigError("merge needs at least one input dataset")
+    prefixes = [strip_suffix(p) for p in inputs]
+    if strip_suffix(prefix) in prefixes:
+        raise ConfigError(f"merge output {prefix} is also an input; choose a new output prefix")
+    first = IndexedDataset(prefixes[0])
+    dt, mm = first.dtype, first.sequence_modes is not None
+    first.close()
+    with IndexedDatasetWriter(prefix, dtype=dt, multimodal=mm) as w:
+        for p in prefixes:
+            w.add_index(p)
+    ds = IndexedDataset(prefix)
+    try:
+        max_id = int(ds.flat_tokens().max()) if ds.num_tokens else -1
+        return BuildStats(
+            prefix=str(prefix), documents=ds.num_documents, sequences=len(ds), tokens=ds.num_tokens,
+            dtype=str(ds.dtype), max_token_id=max_id,
+            bin_bytes=bin_path(prefix).stat().st_size, idx_bytes=idx_path(prefix).stat().st_size,
+        )
+    finally:
+        ds.close()
+
+
+def inspect_indexed(prefix: str | Path) -> dict[str, Any]:
+    """Counts, dtype and length distribution of a dataset (reads only the index)."""
+    ds = IndexedDataset(prefix)
+    try:
+        lens = ds.document_lengths()
+        q = np.percentile(lens, [50, 90, 99]) if len(lens) else np.zeros(3)
+        return {
+            "prefix": ds.prefix,
+            "dtype": str(ds.dtype),
+            "sequences": len(ds),
+            "documents": ds.num_documents,
+            "tokens": ds.num_tokens,
+            "multimodal": ds.sequence_modes is not None,
+            "bin_bytes": bin_path(ds.prefix).stat().st_size,
+            "idx_bytes": idx_path(ds.prefix).stat().st_size,
+            "doc_len_mean": float(lens.mean()) if len(lens) else 0.0,
+            "doc_len_p50": float(q[0]),
+            "doc_len_p90": float(q[1]),
+            "doc_len_p99": float(q[2]),
+            "doc_len_max": int(lens.max()) if len(lens) else 0,
+            "fingerprint": ds.fingerprint(),
+        }
+    finally:
+        ds.close()

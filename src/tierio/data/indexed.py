@@ -1,0 +1,501 @@
+"""Megatron-LM compatible indexed token datasets: a ``.bin`` of tokens and an ``.idx`` index.
+
+The layout is byte-for-byte Megatron-LM's ``MMIDIDX`` format (version 1), so files written here
+are read by ``megatron.core.datasets.indexed_dataset.IndexedDataset`` and the other way round:
+
+    .idx  b"MMIDIDX\\x00\\x00"   9 bytes magic
+          <Q version = 1
+          <B dtype code        (1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16)
+          <Q sequence count    N
+          <Q document count    D  (= documents + 1: document_indices starts with 0)
+          int32[N]  sequence lengths (tokens)
+          int64[N]  sequence pointers (byte offset of each sequence in .bin)
+          int64[D]  document indices (sequence index where each document ends, leading 0)
+          int8[N]   sequence modes (multimodal datasets only)
+    .bin  the tokens of every sequence, back to back, in the dtype above
+
+The reader maps both files; items are zero-copy views of the ``.bin`` mapping. It checks the
+whole index against the file sizes before trusting a single pointer, so a truncated or corrupt
+pair fails with a FormatError naming the file instead of returning wrong tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tierio.errors import ConfigError, FormatError, NotFoundError
+from tierio.io.checksum import StreamingChecksum
+from tierio.io.durable import fsync_dir, temp_name
+from tierio.io.files import os_error
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+HEADER_SIZE = 9 + 8 + 1 + 8 + 8  # magic, version, dtype code, sequence count, document count
+
+DTYPE_CODES: dict[int, np.dtype] = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.int8),
+    3: np.dtype(np.int16),
+    4: np.dtype(np.int32),
+    5: np.dtype(np.int64),
+    6: np.dtype(np.float64),
+    7: np.dtype(np.float32),
+    8: np.dtype(np.uint16),
+}
+_CODE_OF = {dt: code for code, dt in DTYPE_CODES.items()}
+
+# Megatron's threshold: a vocabulary below 65,500 tokens fits uint16, otherwise int32.
+UINT16_VOCAB_LIMIT = 65500
+
+
+def optimal_dtype(vocab_size: int | None) -> np.dtype:
+    """The smallest token dtype Megatron-LM would pick for a vocabulary of ``vocab_size``."""
+    if vocab_size is not None and vocab_size < UINT16_VOCAB_LIMIT:
+        return np.dtype(np.uint16)
+    return np.dtype(np.int32)
+
+
+def dtype_code(dtype: Any) -> int:
+    dt = np.dtype(dtype)
+    if dt not in _CODE_OF:
+        names = ", ".join(str(d) for d in DTYPE_CODES.values())
+        raise ConfigError(f"dtype {dt} has no Megatron code; use one of {names}")
+    return _CODE_OF[dt]
+
+
+def idx_path(prefix: str | Path) -> Path:
+    return Path(f"{prefix}.idx")
+
+
+def bin_path(prefix: str | Path) -> Path:
+    return Path(f"{prefix}.bin")
+
+
+def strip_suffix(path: str | Path) -> str:
+    """Accept ``corpus``, ``corpus.bin`` or ``corpus.idx`` and return the prefix ``corpus``."""
+    s = str(path)
+    for suffix in (".idx", ".bin"):
+        if s.endswith(suffix):
+            return s[: -len(suffix)]
+    return s
+
+
+@dataclass(frozen=True)
+class IndexHeader:
+    dtype: np.dtype
+    sequence_count: int
+    document_count: int  # entries of document_indices, i.e. documents + 1
+
+
+def read_header(path: str | Path) -> IndexHeader:
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            head = f.read(HEADER_SIZE)
+    except OSError as exc:
+        raise os_error(exc, p, "reading index") from exc
+    if len(head) < HEADER_SIZE:
+        raise FormatError(f"{p}: index is {len(head)} bytes, shorter than its {HEADER_SIZE}-byte header; the file is truncated, rebuild it")
+    if head[:9] != MAGIC:
+        raise FormatError(f"{p}: not a Megatron MMIDIDX index (magic {head[:9]!r}); pass the .idx written with its .bin")
+    (version,) = struct.unpack_from("<Q", head, 9)
+    if version != VERSION:
+        raise FormatError(f"{p}: index version {version} is not supported (only version {VERSION})")
+    code = head[17]
+    if code not in DTYPE_CODES:
+        raise FormatError(f"{p}: unknown dtype code {code} in index header; the file is corrupt")
+    n, d = struct.unpack_from("<QQ", head, 18)
+    return IndexHeader(DTYPE_CODES[code], int(n), int(d))
+
+
+def write_index(
+    path: str | Path,
+    dtype: Any,
+    sequence_lengths: np.ndarray,
+    document_indices: np.ndarray,
+    sequence_modes: np.ndarray | None = None,
+) -> None:
+    """Write an ``.idx`` file atomically (temp + fsync + rename); pointers are derived from lengths."""
+    dt = np.dtype(dtype)
+    lengths = np.ascontiguousarray(sequence_lengths, dtype=np.int32)
+    pointers = np.zeros(len(lengths), dtype=np.int64)
+    if len(lengths) > 1:
+        np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
+    pointers *= dt.itemsize
+    docs = np.ascontiguousarray(document_indices, dtype=np.int64)
+    parts = [
+        MAGIC,
+        struct.pack("<Q", VERSION),
+        struct.pack("<B", dtype_code(dt)),
+        struct.pack("<Q", len(lengths)),
+        struct.pack("<Q", len(docs)),
+        lengths.tobytes(),
+        pointers.tobytes(),
+        docs.tobytes(),
+    ]
+    if sequence_modes is not None:
+        parts.append(np.ascontiguousarray(sequence_modes, dtype=np.int8).tobytes())
+    _write_atomic(Path(path), parts)
+
+
+def _write_atomic(final: Path, parts: list[bytes]) -> None:
+    tmp = temp_name(final)
+    try:
+        with open(tmp, "wb") as f:
+            for part in parts:
+                f.write(part)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise os_error(exc, final, "writing index") from exc
+
+
+class _Growable:
+    """An append-only numpy array that doubles its capacity (amortised O(1), no Python lists)."""
+
+    def __init__(self, dtype: Any, capacity: int = 1024) -> None:
+        self._a = np.empty(capacity, dtype=dtype)
+        self._n = 0
+
+    def append(self, value: int) -> None:
+        if self._n == len(self._a):
+            self._a = np.resize(self._a, 2 * len(self._a))
+        self._a[self._n] = value
+        self._n += 1
+
+    def extend(self, values: np.ndarray) -> None:
+        need = self._n + len(values)
+        if need > len(self._a):
+            self._a = np.resize(self._a, max(need, 2 * len(self._a)))
+        self._a[self._n : need] = values
+        self._n = need
+
+    def __len__(self) -> int:
+        return self._n
+
+    def view(self) -> np.ndarray:
+        return self._a[: self._n]
+
+
+class IndexedDatasetWriter:
+    """Stream sequences into ``prefix.bin`` and write ``prefix.idx`` on ``finalize()``.
+
+    Only the index (12 bytes per sequence) is kept in memory; tokens go straight to the file.
+    Both files appear under their final names only when the dataset is complete. Use as a
+    context manager: an exception removes the partial files.
+    """
+
+    def __init__(self, prefix: str | Path, dtype: Any = np.int32, multimodal: bool = False) -> None:
+        self.prefix = str(prefix)
+        self.dtype = np.dtype(dtype)
+        dtype_code(self.dtype)  # reject dtypes Megatron cannot name, before writing anything
+        self._bin_final = bin_path(prefix)
+        self._bin_final.parent.mkdir(parents=True, exist_ok=True)
+        self._bin_tmp = temp_name(self._bin_final)
+        try:
+            self._f = open(self._bin_tmp, "wb", buffering=8 << 20)
+        except OSError as exc:
+            raise os_error(exc, self._bin_tmp, "creating") from exc
+        self._lengths = _Growable(np.int32)
+        self._docs = _Growable(np.int64)
+        self._docs.append(0)
+        self._modes = _Growable(np.int8) if multimodal else None
+        self.tokens = 0
+        self.checksum = StreamingChecksum()
+        self._done = False
+
+    # -- adding data ---------------------------------------------------------------------
+    def add_item(self, tokens: Any, mode: int = 0) -> None:
+        """Append one sequence (call ``end_document()`` after the last sequence of a document)."""
+        arr = self._as_tokens(tokens)
+        self._write(arr)
+        self._lengths.append(len(arr))
+        if self._modes is not None:
+            self._modes.append(mode)
+
+    def end_document(self) -> None:
+        self._docs.append(len(self._lengths))
+
+    def add_document(self, tokens: Any, lengths: list[int] | None = None) -> None:
+        """Append a document: one sequence, or several when ``lengths`` splits it."""
+        arr = self._as_tokens(tokens)
+        if lengths is None:
+            lengths = [len(arr)]
+        if sum(lengths) != len(arr):
+            raise ConfigError(f"document lengths {lengths} do not add up to its {len(arr)} tokens")
+        self._write(arr)
+        self._lengths.extend(np.asarray(lengths, dtype=np.int32))
+        if self._modes is not None:
+            self._modes.extend(np.zeros(len(lengths), dtype=np.int8))
+        self._docs.append(len(self._lengths))
+
+    def add_index(self, prefix: str | Path) -> None:
+        """Append a whole existing dataset (same dtype); its .bin is copied in 8 MiB pieces."""
+        other = IndexedDataset(prefix)
+        try:
+            if other.dtype != self.dtype:
+                raise ConfigError(
+                    f"cannot merge {other.prefix} ({other.dtype}) into a {self.dtype} dataset: "
+                    "every input must have the same token dtype (rebuild with the same vocabulary size)"
+                )
+            if (other.sequence_modes is not None) != (self._modes is not None):
+                raise ConfigError(f"cannot merge {other.prefix}: multimodal and plain datasets do not mix")
+            base = len(self._lengths)
+            self._lengths.extend(other.sequence_lengths)
+            self._docs.extend(other.document_indices[1:] + base)
+            if self._modes is not None:
+                self._modes.extend(other.sequence_modes)
+            flat = other.flat_tokens()
+            step = (8 << 20) // self.dtype.itemsize
+            for start in range(0, len(flat), step):
+                self._write(flat[start : start + step])
+        finally:
+            other.close()
+
+    def _as_tokens(self, tokens: Any) -> np.ndarray:
+        arr = np.asarray(tokens)
+        if arr.ndim != 1:
+            raise ConfigError(f"a sequence must be a 1-D list of token ids, got shape {arr.shape}")
+        if arr.dtype != self.dtype:
+            if arr.size and self.dtype.kind in "iu" and arr.dtype.kind in "iu":
+                info = np.iinfo(self.dtype)
+                lo, hi = int(arr.min()), int(arr.max())
+                if lo < info.min or hi > info.max:
+                    raise ConfigError(
+                        f"token id {hi if hi > info.max else lo} does not fit {self.dtype} "
+                        f"(range {info.min}..{info.max}); build with a larger --vocab-size or dtype int32"
+                    )
+            elif arr.size and arr.dtype.kind not in "iub":
+                raise ConfigError(f"token ids must be integers, got {arr.dtype}")
+            arr = arr.astype(self.dtype)
+        return arr
+
+    def _write(self, arr: np.ndarray) -> None:
+        data = memoryview(np.ascontiguousarray(arr)).cast("B")
+        try:
+            self._f.write(data)
+        except OSError as exc:
+            raise os_error(exc, self._bin_tmp, "writing") from exc
+        self.checksum.update(data)
+        self.tokens += len(arr)
+
+    # -- finishing -----------------------------------------------------------------------
+    @property
+    def sequences(self) -> int:
+        return len(self._lengths)
+
+    @property
+    def documents(self) -> int:
+        return len(self._docs) - 1
+
+    def finalize(self) -> Path:
+        """Flush and fsync the .bin, write the .idx, publish both; returns the .idx path."""
+        if self._done:
+            return idx_path(self.prefix)
+        if self._docs.view()[-1] != len(self._lengths):
+            self.end_document()  # items added without end_document(): close the last document
+        try:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            os.replace(self._bin_tmp, self._bin_final)
+        except OSError as exc:
+            self.abort()
+            raise os_error(exc, self._bin_final, "finishing") from exc
+        modes = self._modes.view() if self._modes is not None else None
+        write_index(idx_path(self.prefix), self.dtype, self._lengths.view(), self._docs.view(), modes)
+        self._done = True
+        return idx_path(self.prefix)
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._f.close()
+        except OSError:
+            pass
+        self._bin_tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> IndexedDatasetWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finalize()
+        else:
+            self.abort()
+
+
+class IndexedDataset:
+    """Memory-mapped reader of a Megatron ``.bin``/``.idx`` pair.
+
+    ``ds[i]`` is sequence ``i`` as a read-only numpy view of the mapping (no copy);
+    ``ds.document(j)`` is every token of document ``j``. Pickles by path, so DataLoader
+    workers re-open the mapping instead of copying it.
+    """
+
+    def __init__(self, prefix: str | Path, multimodal: bool | None = None, validate: bool = True) -> None:
+        self.prefix = strip_suffix(prefix)
+        self._multimodal_arg = multimodal
+        self._validate = validate
+        self._open()
+
+    def _open(self) -> None:
+        ipath, bpath = idx_path(self.prefix), bin_path(self.prefix)
+        for p in (ipath, bpath):
+            if not p.exists():
+                raise NotFoundError(f"{p} does not exist: an indexed dataset needs both {ipath.name} and {bpath.name}")
+        head = read_header(ipath)
+        n, d = head.sequence_count, head.document_count
+        idx_size = ipath.stat().st_size
+        body = HEADER_SIZE + n * (4 + 8) + d * 8
+        if idx_size < body:
+            raise FormatError(
+                f"{ipath}: index is {idx_size} bytes but its header announces {n} sequences and {d} document "
+                f"entries ({body} bytes); the file is truncated, rebuild it"
+            )
+        multimodal = self._multimodal_arg
+        if multimodal is None:
+            multimodal = idx_size == body + n and n > 0
+        expected = body + (n if multimodal else 0)
+        if idx_size != expected:
+            raise FormatError(f"{ipath}: index is {idx_size} bytes, expected {expected}; the file is corrupt or has trailing data")
+        self.dtype = head.dtype
+        self._idx_map = np.memmap(ipath, dtype=np.uint8, mode="r")
+        buf = self._idx_map
+        off = HEADER_SIZE
+        self.sequence_lengths = np.frombuffer(buf, dtype=np.int32, count=n, offset=off)
+        off += 4 * n
+        self.sequence_pointers = np.frombuffer(buf, dtype=np.int64, count=n, offset=off)
+        off += 8 * n
+        self.document_indices = np.frombuffer(buf, dtype=np.int64, count=d, offset=off)
+        off += 8 * d
+        self.sequence_modes = np.frombuffer(buf, dtype=np.int8, count=n, offset=off) if multimodal else None
+
+        bin_size = bpath.stat().st_size
+        itemsize = self.dtype.itemsize
+        end = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * itemsize if n else 0
+        if bin_size != end:
+            what = "truncated" if bin_size < end else "longer than its index says"
+            raise FormatError(
+                f"{bpath}: data file is {bin_size} bytes but {ipath.name} describes {end} bytes ({what}); "
+                "the pair does not belong together or one of them is damaged"
+            )
+        if self._validate:
+            self._check_index(ipath, itemsize)
+        # np.memmap refuses empty files; an empty dataset gets an empty array instead
+        self._bin_map = np.memmap(bpath, dtype=self.dtype, mode="r") if bin_size else np.empty(0, self.dtype)
+
+    def _check_index(self, ipath: Path, itemsize: int) -> None:
+        lengths, pointers, docs = self.sequence_lengths, self.sequence_pointers, self.document_indices
+        n = len(lengths)
+        if n and int(lengths.min()) < 0:
+            raise FormatError(f"{ipath}: negative sequence length in index; the file is corrupt")
+        if n:
+            expect = np.empty(n, dtype=np.int64)
+            expect[0] = 0
+            np.cumsum(lengths[:-1], dtype=np.int64, out=expect[1:])
+            expect *= itemsize
+            if not np.array_equal(expect, pointers):
+                bad = int(np.flatnonzero(expect != pointers)[0])
+                raise FormatError(f"{ipath}: sequence pointer {bad} is {int(pointers[bad])}, expected {int(expect[bad])}; the index is corrupt")
+        if len(docs) == 0 or docs[0] != 0 or docs[-1] != n or (len(docs) > 1 and bool(np.any(np.diff(docs) < 0))):
+            raise FormatError(
+                f"{ipath}: document indices must rise from 0 to the sequence count {n}; the index is corrupt"
+            )
+
+    # -- pickling by path (DataLoader workers re-map instead of copying) ------------------
+    def __getstate__(self) -> dict:
+        return {"prefix": self.prefix, "multimodal": self._multimodal_arg, "validate": False}
+
+    def __setstate__(self, state: dict) -> None:
+        self.prefix = state["prefix"]
+        self._multimodal_arg = state["multimodal"]
+        self._validate = state["validate"]
+        self._open()
+
+    def close(self) -> None:
+        for name in ("_bin_map", "_idx_map"):
+            m = getattr(self, name, None)
+            mm = getattr(m, "_mmap", None)
+            if mm is not None:
+                try:
+                    mm.close()
+                except (BufferError, ValueError):
+                    pass  # a caller still holds a view; the mapping goes with it
+        for name in ("sequence_lengths", "sequence_pointers", "document_indices", "sequence_modes", "_bin_map", "_idx_map"):
+            self.__dict__.pop(name, None)
+
+    # -- access ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.sequence_lengths)
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.document_indices) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._bin_map)
+
+    def flat_tokens(self) -> np.ndarray:
+        """Every token of the dataset as one read-only 1-D view (the .bin mapping itself)."""
+        return self._bin_map
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sequence {i} out of range for {n} sequences in {self.prefix}")
+        i %= n
+        start = int(self.sequence_pointers[i]) // self.dtype.itemsize
+        return self._bin_map[start : start + int(self.sequence_lengths[i])]
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        seq = self[i]
+        return seq[offset : None if length is None else offset + length]
+
+    def document(self, j: int) -> np.ndarray:
+        """All tokens of document ``j`` (its sequences are contiguous in the .bin)."""
+        d = self.num_documents
+        if not 0 <= j < d:
+            raise IndexError(f"document {j} out of range for {d} documents in {self.prefix}")
+        a, b = int(self.document_indices[j]), int(self.document_indices[j + 1])
+        if a == b:
+            return self._bin_map[0:0]
+        start = int(self.sequence_pointers[a]) // self.dtype.itemsize
+        stop = int(self.sequence_pointers[b - 1]) // self.dtype.itemsize + int(self.sequence_lengths[b - 1])
+        return self._bin_map[start:stop]
+
+    def document_lengths(self) -> np.ndarray:
+        """Tokens per document (int64), computed from the index without touching the .bin."""
+        csum = np.zeros(len(self) + 1, dtype=np.int64)
+        np.cumsum(self.sequence_lengths, out=csum[1:])
+        return csum[self.document_indices[1:]] - csum[self.document_indices[:-1]]
+
+    def document_offsets(self) -> np.ndarray:
+        """Token offset of each document's first token in the flat token array (int64)."""
+        csum = np.zeros(len(self) + 1, dtype=np.int64)
+        np.cumsum(self.sequence_lengths, out=csum[1:])
+        return csum[self.document_indices[:-1]]
+
+    def fingerprint(self) -> str:
+        """xxh3 of the index: identifies this dataset for plans and resume states."""
+        h = StreamingChecksum()
+        h.update(memoryview(self._idx_map))
+        return h.hexdigest()
+
+    def __repr__(self) -> str:
+        return (
+            f"IndexedDataset({self.prefix!r}, sequences={len(self)}, documents={self.num_documents}, "
+            f"tokens={self.num_tokens}, dtype={self.dtype})"
+        )

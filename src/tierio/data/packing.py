@@ -1,0 +1,485 @@
+"""Sequence packing: whole documents into ``seq_len`` bins, planned fast, stored as an index.
+
+Planning works on document *lengths* only, window by window (bounded memory, so it streams
+over a corpus of any size). Inside a window documents are sorted by decreasing length and
+processed in groups of equal length, which is what makes best-fit decreasing cheap:
+
+* For identical items of length L, best fit puts the next item in the open bin with the
+  smallest remaining capacity r >= L. After placing it that bin has r - L left, which is
+  still the smallest capacity >= L if it is >= L at all, so that bin takes floor(r / L) items
+  in a row and drops to r mod L. A whole group is therefore placed by walking capacity
+  *buckets* upward from L, each bucket giving each of its bins floor(r / L) items; whole
+  buckets move at once to bucket r mod L. The work per group is one step per bucket touched,
+  not per document; bins move as lists (C speed).
+* First-fit decreasing has the same structure with bins ordered by creation instead of by
+  capacity: one vectorised pass over the window's open bins per group.
+
+The plan is stored as a CSR index (pack offsets + document ids), so pack ``i`` is the same
+documents in the same order every time: resuming at step ``k`` is exact.
+
+Each pack yields ``input_ids``, ``labels`` (the next token inside the same document; -100 on
+each document's last token and on padding, so no token learns to predict across a boundary),
+``position_ids`` restarting at 0 in every document, and ``cu_seqlens`` / ``max_seqlen`` in the
+``flash_attn_varlen_func`` convention (padding, if any, is one last segment so that
+``cu_seqlens[-1] == seq_len``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tierio.errors import ConfigError, FormatError, NotFoundError
+from tierio.io.durable import fsync_dir, temp_name
+from tierio.io.files import os_error
+
+ALGORITHMS = ("bfd", "ffd")
+DEFAULT_WINDOW = 1 << 18  # documents planned together; bounds memory, barely affects fill
+IGNORE_INDEX = -100
+PLAN_FORMAT = "tierio-pack-plan"
+PLAN_VERSION = 1
+
+
+# -- planning -------------------------------------------------------------------------------
+
+def _groups(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """Order of items by decreasing length (ties by position) and the (length, count) groups."""
+    # radix-friendly key: a stable argsort of (seq_len - length) in the narrowest dtype
+    key_dtype = np.uint16 if seq_len < (1 << 16) else np.uint32
+    order = np.argsort((seq_len - lengths).astype(key_dtype), kind="stable")
+    counts = np.bincount(lengths, minlength=seq_len + 1)
+    present = np.flatnonzero(counts)[::-1]
+    return order, [(int(L), int(counts[L])) for L in present]
+
+
+def _bfd_window(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, int]:
+    """Best-fit decreasing over one window. Returns (bin of each item, number of bins)."""
+    order, groups = _groups(lengths, seq_len)
+    S = seq_len
+    buckets: list[list[int]] = [[] for _ in range(S + 1)]  # open bins by remaining capacity
+    nz: list[int] = []  # sorted capacities (> 0) whose bucket is non-empty
+    place_bins: list[int] = []  # bins in placement order ...
+    place_k: list[int] = []  # ... and how many consecutive items each received
+    nbins = 0
+    for L, c in groups:
+        rem = c
+        moved: list[tuple[int, list[int]]] = []
+        i = bisect.bisect_left(nz, L)
+        j = i
+        while rem and j < len(nz):
+            r = nz[j]
+            k = r // L
+            ids = buckets[r]
+            m = len(ids)
+            if m * k <= rem:  # every bin of this bucket fills up to r mod L
+                rem -= m * k
+                place_bins.extend(ids)
+                place_k.extend([k] * m)
+                moved.append((r - k * L, ids))
+                buckets[r] = []
+                j += 1
+                continue
+            nfull, last = divmod(rem, k)
+            use = ids[:nfull]
+            place_bins.extend(use)
+            place_k.extend([k] * nfull)
+            moved.append((r - k * L, use))
+            taken = nfull
+            if last:
+                b = ids[nfull]
+                place_bins.append(b)
+                place_k.append(last)
+                moved.append((r - last * L, [b]))
+                taken += 1
+            buckets[r] = ids[taken:]
+            if not buckets[r]:
+                j += 1
+            rem = 0
+        del nz[i:j]
+        if rem:  # no open bin fits: open new ones, each taking floor(S / L) items
+            k = S // L
+            nnew = -(-rem // k)
+            new = range(nbins, nbins + nnew)
+            nbins += nnew
+            last = rem - (nnew - 1) * k
+            place_bins.extend(new)
+            place_k.extend([k] * (nnew - 1))
+            place_k.append(last)
+            if nnew > 1:
+                moved.append((S - k * L, list(new[:-1])))
+            moved.append((S - last * L, [new[-1]]))
+        for cap, ids in moved:
+            if cap <= 0 or not ids:
+                continue  # a full bin is closed for good
+            dest = buckets[cap]
+            if not dest:
+                bisect.insort(nz, cap)
+            dest.extend(ids)
+    sorted_bins = np.repeat(np.asarray(place_bins, dtype=np.int64), np.asarray(place_k, dtype=np.int64))
+    bin_of = np.empty(len(lengths), dtype=np.int64)
+    bin_of[order] = sorted_bins
+    return bin_of, nbins
+
+
+def _ffd_window(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, int]:
+    """First-fit decreasing over one window (bins scanned in creation order)."""
+    order, groups = _groups(lengths, seq_len)
+    S = seq_len
+    caps = np.empty(max(1, int(lengths.sum()) // S + len(groups) + 1), dtype=np.int64)
+    nbins = 0
+    parts_bins: list[np.ndarray] = []
+    parts_k: list[np.ndarray] = []
+    for L, c in groups:
+        rem = c
+        cand = np.flatnonzero(caps[:nbins] >= L)
+        if len(cand):
+            k = caps[cand] // L
+            cs = np.cumsum(k)
+            j = int(np.searchsorted(cs, c))
+            if j < len(cand):
+                used = cand[: j + 1]
+                take = k[: j + 1].copy()
+                take[j] = c - (int(cs[j - 1]) if j else 0)
+            else:
+                used, take = cand, k
+            caps[used] -= take * L
+            rem -= int(take.sum())
+            parts_bins.append(used)
+            parts_k.append(take)
+        if rem:
+            k = S // L
+            nnew = -(-rem // k)
+            if nbins + nnew > len(caps):
+                caps = np.resize(caps, 2 * (nbins + nnew))
+            take = np.full(nnew, k, dtype=np.int64)
+            take[-1] = rem - (nnew - 1) * k
+            new = np.arange(nbins, nbins + nnew)
+            caps[new] = S - take * L
+            nbins += nnew
+            parts_bins.append(new)
+            parts_k.append(take)
+    if not parts_bins:
+        return np.empty(0, dtype=np.int64), 0
+    sorted_bins = np.repeat(np.concatenate(parts_bins), np.concatenate(parts_k))
+    bin_of = np.empty(len(lengths), dtype=np.int64)
+    bin_of[order] = sorted_bins
+    return bin_of, nbins
+
+
+@dataclass
+class PackStats:
+    seq_len: int
+    algorithm: str
+    documents: int
+    packs: int
+    real_tokens: int  # tokens placed in packs
+    source_tokens: int  # tokens in the documents before truncation
+    truncated_docs: int
+    fill: float  # real tokens / (packs * seq_len)
+    truncation: float  # tokens cut / source tokens
+    tokens_per_pack_mean: float
+    tokens_per_pack_cv: float  # std / mean of real tokens per pack
+    tokens_per_step_cv: float | None = None  # same, per batch of `batch_size` packs
+    batch_size: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class PackPlan:
+    """Which documents form each pack: ``doc_ids[pack_offsets[i]:pack_offsets[i+1]]``."""
+
+    seq_len: int
+    algorithm: str
+    window: int
+    pack_offsets: np.ndarray  # int64[packs + 1]
+    doc_ids: np.ndarray  # int64[documents], global document indices
+    doc_lengths: np.ndarray  # int32[documents], tokens used per document (after truncation)
+    source: dict[str, Any] = field(default_factory=dict)  # fingerprint of the dataset planned
+    stats: PackStats | None = None
+
+    def __len__(self) -> int:
+        return len(self.pack_offsets) - 1
+
+    def pack(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(document ids, lengths used) of pack ``i``."""
+        a, b = int(self.pack_offsets[i]), int(self.pack_offsets[i + 1])
+        return self.doc_ids[a:b], self.doc_lengths[a:b]
+
+    def pack_tokens(self) -> np.ndarray:
+        """Real tokens per pack (int64)."""
+        csum = np.zeros(len(self.doc_lengths) + 1, dtype=np.int64)
+        np.cumsum(self.doc_lengths, out=csum[1:])
+        return csum[self.pack_offsets[1:]] - csum[self.pack_offsets[:-1]]
+
+    def step_stats(self, batch_size: int) -> float:
+        """Coefficient of variation of real tokens per step of ``batch_size`` packs."""
+        per_pack = self.pack_tokens()
+        steps = len(per_pack) // batch_size
+        if steps < 2:
+            return 0.0
+        per_step = per_pack[: steps * batch_size].reshape(steps, batch_size).sum(axis=1)
+        return float(per_step.std() / per_step.mean())
+
+
+def plan_packing(
+    lengths: Sequence[int] | np.ndarray,
+    seq_len: int,
+    *,
+    algorithm: str = "bfd",
+    window: int = DEFAULT_WINDOW,
+    batch_size: int | None = None,
+    source: dict[str, Any] | None = None,
+) -> PackPlan:
+    """Plan packs for documents of the given lengths (document i has ``lengths[i]`` tokens).
+
+    Documents longer than ``seq_len`` are truncated to ``seq_len`` (counted in the stats);
+    empty documents are skipped. Documents are planned ``window`` at a time.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ConfigError(f"unknown packing algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}")
+    if seq_len < 1:
+        raise ConfigError(f"seq_len must be >= 1, got {seq_len}")
+    if window < 1:
+        raise ConfigError(f"window must be >= 1 document, got {window}")
+    lens_all = np.asarray(lengths, dtype=np.int64)
+    if lens_all.ndim != 1:
+        raise ConfigError("lengths must be a 1-D array of document lengths")
+    if len(lens_all) and int(lens_all.min()) < 0:
+        raise ConfigError("document lengths must be >= 0")
+    fit = _bfd_window if algorithm == "bfd" else _ffd_window
+    offsets_parts: list[np.ndarray] = []
+    ids_parts: list[np.ndarray] = []
+    packs = 0
+    placed = 0
+    for start in range(0, len(lens_all), window):
+        raw = lens_all[start : start + window]
+        keep = np.flatnonzero(raw > 0)
+        used = np.minimum(raw[keep], seq_len)
+        if not len(keep):
+            continue
+        bin_of, nb = fit(used, seq_len)
+        # group the window's documents by bin, keeping each bin's placement order (longest first)
+        by_bin = np.argsort(bin_of, kind="stable")
+        counts = np.bincount(bin_of, minlength=nb)
+        ids_parts.append(keep[by_bin] + start)
+        offsets_parts.append(np.cumsum(counts) + placed)
+        placed += len(keep)
+        packs += nb
+    pack_offsets = np.concatenate([np.zeros(1, dtype=np.int64), *offsets_parts]) if offsets_parts else np.zeros(1, dtype=np.int64)
+    doc_ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, dtype=np.int64)
+    doc_lengths = np.minimum(lens_all[doc_ids], seq_len).astype(np.int32)
+    plan = PackPlan(seq_len, algorithm, window, pack_offsets.astype(np.int64), doc_ids.astype(np.int64), doc_lengths, dict(source or {}))
+    plan.stats = compute_stats(plan, lens_all, batch_size)
+    return plan
+
+
+def compute_stats(plan: PackPlan, source_lengths: np.ndarray, batch_size: int | None = None) -> PackStats:
+    real = int(plan.doc_lengths.sum(dtype=np.int64))
+    src = int(np.asarray(source_lengths, dtype=np.int64).sum())
+    per_pack = plan.pack_tokens()
+    packs = len(plan)
+    mean = float(per_pack.mean()) if packs else 0.0
+    return PackStats(
+        seq_len=plan.seq_len,
+        algorithm=plan.algorithm,
+        documents=len(plan.doc_ids),
+        packs=packs,
+        real_tokens=real,
+        source_tokens=src,
+        truncated_docs=int(np.count_nonzero(np.asarray(source_lengths) > plan.seq_len)),
+        fill=real / (packs * plan.seq_len) if packs else 0.0,
+        truncation=(src - real) / src if src else 0.0,
+        tokens_per_pack_mean=mean,
+        tokens_per_pack_cv=float(per_pack.std() / mean) if packs and mean else 0.0,
+        tokens_per_step_cv=plan.step_stats(batch_size) if batch_size else None,
+        batch_size=batch_size,
+    )
+
+
+# -- storing the plan (an index: exact resume) -----------------------------------------------
+
+def save_plan(plan: PackPlan, path: str | Path) -> Path:
+    """Write the plan as an .npz of plain arrays (no pickle), atomically."""
+    final = Path(path)
+    meta = {
+        "format": PLAN_FORMAT, "version": PLAN_VERSION, "seq_len": plan.seq_len, "algorithm": plan.algorithm,
+        "window": plan.window, "source": plan.source, "stats": plan.stats.to_dict() if plan.stats else None,
+    }
+    buf = io.BytesIO()
+    np.savez(
+        buf, pack_offsets=plan.pack_offsets, doc_ids=plan.doc_ids, doc_lengths=plan.doc_lengths,
+        meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+    )
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_name(final)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buf.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise os_error(exc, final, "writing pack plan") from exc
+    return final
+
+
+def load_plan(path: str | Path) -> PackPlan:
+    p = Path(path)
+    if not p.exists():
+        raise NotFoundError(f"pack plan {p} does not exist; create it with `tierio data pack`")
+    try:
+        with np.load(p, allow_pickle=False) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            offsets, ids, lens = z["pack_offsets"], z["doc_ids"], z["doc_lengths"]
+    except (ValueError, KeyError, OSError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{p}: not a readable pack plan ({exc}); re-create it with `tierio data pack`") from None
+    if meta.get("format") != PLAN_FORMAT or meta.get("version") != PLAN_VERSION:
+        raise FormatError(f"{p}: not a {PLAN_FORMAT} v{PLAN_VERSION} file")
+    if (
+        offsets.ndim != 1 or len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(ids)
+        or len(ids) != len(lens) or (len(offsets) > 1 and bool(np.any(np.diff(offsets) < 0)))
+    ):
+        raise FormatError(f"{p}: pack offsets are inconsistent with the document list; the file is corrupt")
+    if len(lens) and (int(lens.max()) > meta["seq_len"] or int(lens.min()) < 1):
+        raise FormatError(f"{p}: a document length lies outside 1..seq_len; the file is corrupt")
+    stats = PackStats(**meta["stats"]) if meta.get("stats") else None
+    return PackPlan(int(meta["seq_len"]), meta["algorithm"], int(meta["window"]), offsets, ids, lens, meta.get("source") or {}, stats)
+
+
+# -- materialising packs ---------------------------------------------------------------------
+
+def build_pack(
+    docs: Sequence[np.ndarray], seq_len: int, pad_id: int = 0,
+) -> dict[str, np.ndarray | int]:
+    """One packed sample from its documents' tokens (each already <= seq_len, total <= seq_len)."""
+    lens = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+    total = int(lens.sum())
+    if total > seq_len:
+        raise ConfigError(f"documents of {total} tokens do not fit seq_len {seq_len}")
+    input_ids = np.full(seq_len, pad_id, dtype=np.int64)
+    if docs:
+        np.concatenate(docs, out=input_ids[:total], casting="unsafe")
+    return _pack_fields(input_ids, lens, seq_len)
+
+
+def _pack_fields(input_ids: np.ndarray, lens: np.ndarray, seq_len: int) -> dict[str, np.ndarray | int]:
+    total = int(lens.sum())
+    pad = seq_len - total
+    seg = np.concatenate([lens, [pad]]) if pad else lens
+    starts = np.zeros(len(seg), dtype=np.int64)
+    np.cumsum(seg[:-1], out=starts[1:])
+    labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
+    labels[: seq_len - 1] = input_ids[1:]
+    ends = starts[: len(lens)] + lens - 1  # last token of each document predicts nothing
+    labels[ends[lens > 0]] = IGNORE_INDEX
+    labels[total:] = IGNORE_INDEX
+    position_ids = np.arange(seq_len, dtype=np.int64) - np.repeat(starts, seg)
+    cu = np.zeros(len(seg) + 1, dtype=np.int32)
+    np.cumsum(seg, out=cu[1:])
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "position_ids": position_ids,
+        "cu_seqlens": cu,
+        "max_seqlen": int(seg.max()) if len(seg) else 0,
+        "num_tokens": total,
+    }
+
+
+def pack_from_tokens(tokens: np.ndarray, seqlens: np.ndarray, seq_len: int, pad_id: int = 0) -> dict[str, np.ndarray | int]:
+    """A packed sample from concatenated document tokens and their lengths (the shard layout)."""
+    lens = np.asarray(seqlens, dtype=np.int64)
+    total = int(lens.sum())
+    if total != len(tokens) or total > seq_len:
+        raise FormatError(f"pack of {len(tokens)} tokens does not match its document lengths (sum {total}, seq_len {seq_len})")
+    input_ids = np.full(seq_len, pad_id, dtype=np.int64)
+    input_ids[:total] = tokens
+    return _pack_fields(input_ids, lens, seq_len)
+
+
+class PackedDataset:
+    """Map-style dataset of packs: ``ds[i]`` materialises pack ``i`` of ``plan`` from ``dataset``.
+
+    ``dataset`` is an IndexedDataset; packs read whole documents through zero-copy views of
+    its mapping. The plan must have been made for this dataset (checked by fingerprint).
+    """
+
+    def __init__(self, dataset, plan: PackPlan, pad_id: int = 0, check_source: bool = True) -> None:
+        self.dataset = dataset
+        self.plan = plan
+        self.pad_id = pad_id
+        fp = plan.source.get("fingerprint")
+        if check_source and fp and fp != dataset.fingerprint():
+            raise FormatError(
+                f"pack plan was made for dataset {plan.source.get('prefix', '?')} (fingerprint {fp}), "
+                f"not {dataset.prefix} ({dataset.fingerprint()}); re-plan with `tierio data pack`"
+            )
+        if len(plan.doc_ids) and int(plan.doc_ids.max()) >= dataset.num_documents:
+            raise FormatError(f"pack plan names document {int(plan.doc_ids.max())} but {dataset.prefix} has {dataset.num_documents}")
+        self._doc_offsets = dataset.document_offsets()
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def pack_tokens(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(concatenated tokens, per-document lengths) of pack ``i`` in the dataset's dtype."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"pack {i} out of range for {len(self)} packs")
+        ids, lens = self.plan.pack(i)
+        flat = self.dataset.flat_tokens()
+        starts = self._doc_offsets[ids]
+        if len(ids) == 1:
+            return np.asarray(flat[starts[0] : starts[0] + lens[0]]), lens.astype(np.int32)
+        return np.concatenate([flat[s : s + n] for s, n in zip(starts.tolist(), lens.tolist())]), lens.astype(np.int32)
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray | int]:
+        tokens, lens = self.pack_tokens(i)
+        return pack_from_tokens(tokens, lens, self.plan.seq_len, self.pad_id)
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray | int]]:
+        for i in range(len(self)):
+            yield self[i]
+
+
+def collate_packed(batch: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stack packs into a batch; ``cu_seqlens`` covers the batch flattened to one row of B*S tokens."""
+    import torch
+
+    seq_len = len(batch[0]["input_ids"])
+    out = {k: torch.from_numpy(np.stack([b[k] for b in batch])) for k in ("input_ids", "labels", "position_ids")}
+    cu = [np.asarray(batch[0]["cu_seqlens"], dtype=np.int32)]
+    for n, b in enumerate(batch[1:], 1):
+        cu.append(np.asarray(b["cu_seqlens"][1:], dtype=np.int32) + n * seq_len)
+    out["cu_seqlens"] = torch.from_numpy(np.concatenate(cu))
+    out["max_seqlen"] = max(int(b["max_seqlen"]) for b in batch)
+    out["num_tokens"] = sum(int(b["num_tokens"]) for b in batch)
+    return out
+
+
+def block_diagonal_mask(cu_seqlens, total_len: int | None = None, causal: bool = True):
+    """Boolean [T, T] mask (True = may attend) that keeps attention inside each segment.
+
+    For ordinary (non-varlen) attention over a packed row: pass the pack's ``cu_seqlens``;
+    with ``causal`` the mask is also lower-triangular.
+    """
+    import torch
+
+    cu = torch.as_tensor(cu_seqlens, dtype=torch.int64)
+    T = int(cu[-1]) if total_len is None else total_len
+    seg = torch.searchsorted(cu[1:], torch.arange(T), right=True)
+    mask = seg[:, None] == seg[None, :]
+    if causal:
+        mask &= torch.ones(T, T, dtype=torch.bool).tril()
+    return mask
