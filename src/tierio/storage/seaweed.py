@@ -44,7 +44,7 @@ class SeaweedServer:
     same ports and data directory.
     """
 
-    def __init__(self, data_dir: str | Path | None = None, *, volume_size_mb: int = 1024) -> None:
+    def __init__(self, data_dir: str | Path | None = None, *, volume_size_mb: int = 256) -> None:
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="tierio-seaweed-"))
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -88,7 +88,10 @@ class SeaweedServer:
             "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3.grpc']}", f"-s3.config={config}",
             f"-s3.port.iceberg={p['s3.iceberg']}", f"-s3.port.lance={p['s3.lance']}",
             f"-debug.port={p['debug']}", f"-metricsPort={p['metrics']}",
-            f"-master.volumeSizeLimitMB={self.volume_size_mb}", "-volume.max=0",
+            f"-master.volumeSizeLimitMB={self.volume_size_mb}",
+            # Every bucket is a collection that grows its own volumes; the default limit (free disk /
+            # volume size) runs out after a few dozen buckets and writes then fail with InternalError.
+            "-volume.max=5000",
             # A single local master: elect itself at once after a restart instead of waiting 10 s.
             "-master.electionTimeout=1s", "-volume.preStopSeconds=0",
         ]
