@@ -9,11 +9,9 @@ before the state is handed back.
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from tierio.errors import ConfigError, FormatError, IntegrityError, NotFoundError, StorageError, TierioError
@@ -21,13 +19,13 @@ from tierio.format.manifest import MAX_MANIFEST_BYTES, ChunkInfo, Manifest, Rank
 from tierio.format.safetensors import header_length, parse_header, torch_dtype
 from tierio.format.shard import MANIFEST, parse_step_dir, step_dir
 from tierio.format.statetree import unflatten
-from tierio.io.buffers import ALIGN, HostBuffer, align_down
+from tierio.io.buffers import HostBuffer
 from tierio.io.checksum import xxh3
 from tierio.storage.base import Store, read_bytes
+from tierio.storage.scatter import read_scatter
 
 log = logging.getLogger(__name__)
 
-_READERS = 4  # tensors read concurrently; each read is itself split into parallel requests
 
 
 def where(store: Store, key: str) -> str:
@@ -132,45 +130,25 @@ def load_rank(store: Store, manifest: Manifest, rank: int, into: Any = None, *, 
 
     unflatten(entry.tree, note, into)
 
-    # Pass 2: read. Matching CPU targets receive their bytes directly; the rest share one buffer.
-    reads: list[tuple[int, memoryview]] = []
+    # Pass 2: read. Matching CPU targets receive their bytes in place; every other tensor gets a
+    # fresh contiguous tensor of the stored dtype (copied into its target, if any, in pass 3).
     views: dict[str, memoryview] = {}
-    rest = [entry.tensors[n] for n in targets if not _direct_target(targets[n], entry.tensors[n])]
+    fresh: dict[str, torch.Tensor] = {}
+    spans: list[tuple[int, memoryview]] = []
     for name, tgt in targets.items():
         info = entry.tensors[name]
         if tgt is not None:
             _check_target(tgt, info, name)
         if _direct_target(tgt, info):
-            v = _byte_view(tgt)
-            views[name] = v
-            reads.append((info.chunks[0].begin, v))
-    buf = None
-    base = 0
-    runs = sorted((t.chunks[0].begin, t.chunks[-1].end) for t in rest if t.nbytes)
-    if runs:
-        base = align_down(runs[0][0], ALIGN)  # same alignment as the file: reads DMA straight in
-        buf = HostBuffer(runs[-1][1] - base, prefault=False)
-        merged: list[list[int]] = []
-        for b, e in runs:
-            if merged and b - merged[-1][1] < (1 << 20):
-                merged[-1][1] = max(merged[-1][1], e)
-            else:
-                merged.append([b, e])
-        for b, e in merged:
-            reads.append((b, buf.view[b - base : e - base]))
-    for t in rest:
-        lo, hi = (t.chunks[0].begin, t.chunks[-1].end) if t.nbytes else (0, 0)
-        views[t.name] = buf.view[lo - base : hi - base] if buf is not None and t.nbytes else memoryview(b"")
-
-    def run(req: tuple[int, memoryview]) -> None:
-        store.read_into(key, req[0], req[1])
-
-    if len(reads) == 1:
-        run(reads[0])
-    elif reads:
-        with ThreadPoolExecutor(min(_READERS, len(reads)), thread_name_prefix="tierio-restore") as pool:
-            for f in [pool.submit(run, r) for r in sorted(reads, key=lambda r: r[0])]:
-                f.result()
+            views[name] = _byte_view(tgt)
+        elif info.nbytes:
+            fresh[name] = torch.empty(info.shape, dtype=torch_dtype(info.dtype))
+            views[name] = _byte_view(fresh[name])
+        else:
+            views[name] = memoryview(b"")
+        if info.nbytes:
+            spans.append((info.chunks[0].begin, views[name]))
+    read_scatter(store, key, spans)
 
     if verify:
         for name in targets:
@@ -196,10 +174,7 @@ def load_rank(store: Store, manifest: Manifest, rank: int, into: Any = None, *, 
         if tgt is not None and _direct_target(tgt, info):
             out = tgt
         else:
-            if info.nbytes == 0:
-                src = torch.empty(info.shape, dtype=dtype)
-            else:
-                src = torch.from_numpy(np.frombuffer(views[name], dtype=np.uint8)).view(dtype).view(info.shape)
+            src = fresh[name] if name in fresh else torch.empty(info.shape, dtype=dtype)
             if tgt is not None:
                 with torch.no_grad():
                     tgt.copy_(src)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierio.io.space import disk_space
 from tierio.errors import ConfigError
 from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Store
@@ -42,8 +42,4 @@ def capacity(store: Store) -> tuple[int, int] | None:
     root = getattr(store, "root", None)
     if root is None:
         return None
-    try:
-        st = os.statvfs(root)
-    except OSError:
-        return None
-    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    return disk_space(root)

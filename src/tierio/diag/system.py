@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from tierio.diag.parse import Mount, mount_of, parse_mountinfo
+from tierio.io.space import disk_space
 
 MOUNTINFO = "/proc/self/mountinfo"
 DISKSTATS = "/proc/diskstats"
@@ -34,13 +35,7 @@ def find_mount(path: str) -> Mount | None:
 
 def space(path: str) -> tuple[int, int] | None:
     """(total bytes, bytes available to unprivileged users), as df reports them."""
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return None
-    avail = st.f_bavail * st.f_frsize
-    used = (st.f_blocks - st.f_bfree) * st.f_frsize
-    return used + avail, avail  # df's Use% = used / (used + avail)
+    return disk_space(path)
 
 
 @dataclass(frozen=True)
