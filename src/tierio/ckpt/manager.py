@@ -155,6 +155,7 @@ class CheckpointManager:
         self._promo_slot = BufferSlot()
         self._find_unpromoted()
         self._persist_pool = ThreadPoolExecutor(1, thread_name_prefix="tierio-ckpt-persist")
+        self._checksum_pool = ThreadPoolExecutor(1, thread_name_prefix="tierio-ckpt-checksum")
         self._promote_pool = ThreadPoolExecutor(1, thread_name_prefix="tierio-ckpt-promote")
 
     # -- public API ------------------------------------------------------------------------------
@@ -312,6 +313,7 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._persist_pool.shutdown(wait=True)
+            self._checksum_pool.shutdown(wait=True)
             self._promote_pool.shutdown(wait=True)
             if self._pending:
                 log.warning("steps %s were not promoted to every tier; their faster copies remain", sorted(self._pending))
@@ -429,18 +431,28 @@ class CheckpointManager:
         try:
             view = buf.view[: layout.total_bytes]
             fname = shard_name(self.rank)
-            entry_tensors = {}
-            for name, e in layout.header.tensors.items():
-                chunks = [
-                    ChunkInfo(fname, c.begin, c.end, (c.row0,) + (0,) * (len(e.shape) - 1) if e.shape else (), c.shape,
-                              xxh3(view[c.begin : c.end]))
-                    for c in layout.chunks[name]
-                ]
-                entry_tensors[name] = TensorInfo(name, e.dtype, e.shape, chunks)
-            entry = RankEntry(self.rank, fname, layout.total_bytes, tree, entry_tensors)
+
+            def checksums() -> dict[str, TensorInfo]:
+                out = {}
+                for name, e in layout.header.tensors.items():
+                    chunks = [
+                        ChunkInfo(fname, c.begin, c.end, (c.row0,) + (0,) * (len(e.shape) - 1) if e.shape else (),
+                                  c.shape, xxh3(view[c.begin : c.end]))
+                        for c in layout.chunks[name]
+                    ]
+                    out[name] = TensorInfo(name, e.dtype, e.shape, chunks)
+                return out
+
+            # Checksum the staged bytes while the same bytes stream to disk (both only read the
+            # buffer); the manifest entry needs them only at commit time.
+            sums = self._checksum_pool.submit(checksums)
             start = time.perf_counter()
-            t0.store.put_buffers(shard_key(step, self.rank), [view])
+            try:
+                t0.store.put_buffers(shard_key(step, self.rank), [view])
+            finally:
+                entry_tensors = sums.result()
             self._account(t0, layout.total_bytes, time.perf_counter() - start)
+            entry = RankEntry(self.rank, fname, layout.total_bytes, tree, entry_tensors)
             self._give_back(buf)
             released = True
             if self.world_size == 1:
