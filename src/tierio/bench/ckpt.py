@@ -56,13 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # -- helpers -------------------------------------------------------------------------------------
 
 
-def _files(path: Path) -> list[Path]:
-    return [Path(root) / name for root, _dirs, files in os.walk(path) for name in files]
-
-
 def drop_caches(path: Path) -> None:
     """Evict every file under ``path`` from the page cache (and the whole cache as root)."""
-    common.drop_caches(_files(path))
+    common.drop_caches([path])
 
 
 # -- the state -----------------------------------------------------------------------------------

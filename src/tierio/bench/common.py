@@ -62,9 +62,16 @@ def run_fio(directory: str | Path, rw: str, size: int, *, bs: str = "8M", iodept
 
 
 def drop_caches(paths: Iterable[str | Path] = ()) -> None:
-    """Evict files from the page cache (fadvise), and the whole cache too when running as root."""
+    """Evict files (directories: every file below them) from the page cache, and the whole cache
+    too when running as root."""
     os.sync()
-    drop_page_cache(paths)
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files.extend(f for f in p.rglob("*") if f.is_file())
+        else:
+            files.append(p)
+    drop_page_cache(files)
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("1\n")

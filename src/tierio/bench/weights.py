@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tierio.io import pagecache
+from tierio.bench.common import drop_caches
 from tierio.units import parse_size
 from tierio.weights import LoadStats, WeightCache, load
 from tierio.weights.loader import cpu_time
@@ -56,24 +56,6 @@ def add_arguments(p) -> None:
 
 
 # -- helpers -----------------------------------------------------------------------------------
-def drop_caches(paths) -> bool:
-    """Drop the page cache of ``paths`` (files or directories); True when the global drop worked too."""
-    for p in paths:
-        p = Path(p)
-        files = [f for f in p.rglob("*") if f.is_file()] if p.is_dir() else [p]
-        for f in files:
-            try:
-                pagecache.evict(f)
-            except OSError:
-                pass
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as fh:
-            fh.write("1")
-        return True
-    except OSError:
-        return False
-
-
 def run_fio(directory: Path, size: int) -> float:
     """fio O_DIRECT sequential read bytes/s of ``size`` bytes in ``directory``."""
     from tierio.bench.common import run_fio as fio

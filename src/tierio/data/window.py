@@ -56,8 +56,6 @@ class TokenWindowDataset:
 
     def __getitems__(self, indices: list[int]) -> dict[str, Any]:
         """A whole batch in one gather (the DataLoader calls this when it exists)."""
-        import torch
-
         idx = np.asarray(indices, dtype=np.int64)
         if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= self.num_windows):
             raise IndexError(f"window index out of range for {self.num_windows} windows on rank {self.rank}")
