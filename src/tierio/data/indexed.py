@@ -31,7 +31,7 @@ import numpy as np
 
 from tierio.errors import ConfigError, FormatError, NotFoundError
 from tierio.io.checksum import StreamingChecksum
-from tierio.io.durable import fsync_dir, temp_name
+from tierio.io.durable import atomic_write, temp_name
 from tierio.io.files import os_error
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -141,22 +141,7 @@ def write_index(
     ]
     if sequence_modes is not None:
         parts.append(np.ascontiguousarray(sequence_modes, dtype=np.int8).tobytes())
-    _write_atomic(Path(path), parts)
-
-
-def _write_atomic(final: Path, parts: list[bytes]) -> None:
-    tmp = temp_name(final)
-    try:
-        with open(tmp, "wb") as f:
-            for part in parts:
-                f.write(part)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        fsync_dir(final.parent)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise os_error(exc, final, "writing index") from exc
+    atomic_write(Path(path), parts, direct=False)
 
 
 class _Growable:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import bisect
 import io
 import json
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,8 +37,7 @@ from typing import Any
 import numpy as np
 
 from tierio.errors import ConfigError, FormatError, NotFoundError
-from tierio.io.durable import fsync_dir, temp_name
-from tierio.io.files import os_error
+from tierio.io.durable import atomic_write
 
 ALGORITHMS = ("bfd", "ffd")
 DEFAULT_WINDOW = 1 << 18  # documents planned together; bounds memory, barely affects fill
@@ -320,18 +318,7 @@ def save_plan(plan: PackPlan, path: str | Path) -> Path:
         buf, pack_offsets=plan.pack_offsets, doc_ids=plan.doc_ids, doc_lengths=plan.doc_lengths,
         meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
     )
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_name(final)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(buf.getbuffer())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        fsync_dir(final.parent)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise os_error(exc, final, "writing pack plan") from exc
+    atomic_write(final, [buf.getbuffer()], direct=False)
     return final
 
 
