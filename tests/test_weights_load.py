@@ -72,6 +72,18 @@ def test_cold_file_is_read_with_o_direct_and_warm_file_through_page_cache(tmp_pa
     assert cold.direct_bytes > 0.9 * cold.bytes
 
 
+def test_mapped_mode_matches_and_writes_stay_private(st_file, tmp_path):
+    before = st_file.read_bytes()
+    stats = LoadStats()
+    out = load(st_file, mapped=True, stats=stats)
+    assert stats.method == "mapped"
+    same(out, load_file(str(st_file)))
+    out["fp32"] += 1  # copy-on-write: the tensor changes, the file does not
+    assert st_file.read_bytes() == before
+    sub = load(st_file, keys=["i32", "bf16"], dtype=torch.float32, mapped=True)
+    assert sub["bf16"].dtype == torch.float32 and torch.equal(sub["i32"], load_file(str(st_file))["i32"])
+
+
 def test_keys_subset_and_dtype(st_file):
     out = load(st_file, keys=["i32", "bf16", "scalar"], dtype=torch.float32)
     assert list(out) == ["i32", "bf16", "scalar"]
@@ -98,6 +110,7 @@ def test_unaligned_tensor_offsets(tmp_path):
     assert torch.equal(out["a"], a) and torch.equal(out["b"], b)
     same(out, load_file(str(p)))
     assert stats.copied_tensors >= 1
+    same(load(p, mapped=True), load_file(str(p)))
 
 
 def _write(path, header_bytes: bytes, data: bytes = b"", length: int | None = None):

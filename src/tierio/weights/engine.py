@@ -30,7 +30,7 @@ from tierio.format.safetensors import TensorEntry
 from tierio.io import pagecache
 from tierio.io.buffers import ALIGN, align_down, align_up
 from tierio.io.files import open_file, os_error
-from tierio.weights.memory import Arena, staging_pool
+from tierio.weights.memory import Arena, FileMapping, staging_pool
 from tierio.weights.sources import Shard
 
 log = logging.getLogger(__name__)
@@ -207,6 +207,34 @@ def read_to_arenas(
         for r in readers.values():
             r.close()
     return arenas
+
+
+def map_extents(
+    extents: list[Extent],
+    *,
+    chunk_size: int = DEFAULT_CHUNK,
+    depth: int = DEFAULT_DEPTH,
+    hook: Hook | None = None,
+    counters: Counters | None = None,
+) -> list[FileMapping]:
+    """Map every (local) extent privately and populate it through the page cache, ``depth``
+    windows at a time (the ``mapped`` load mode)."""
+    counters = counters or Counters()
+    maps = [FileMapping(ext.shard.path, ext.start, ext.end - ext.start) for ext in extents]
+    by_ext = {id(e): m for e, m in zip(extents, maps)}
+
+    def task(ext: Extent, rel: int, n: int) -> Callable[[], None]:
+        def run() -> None:
+            m = by_ext[id(ext)]
+            m.populate(rel, n)
+            counters.add("buffered_bytes", n)
+            if hook is not None:
+                hook(ext.shard, ext.start + rel, m.view[rel : rel + n], n)
+
+        return run
+
+    _run([task(*w) for w in _windows(extents, chunk_size)], depth)
+    return maps
 
 
 Sink = Callable[[Extent, int, memoryview, int, object], None]
