@@ -39,6 +39,8 @@ DEFAULT_CHUNK = 16 * MiB
 DEFAULT_DEPTH = 8
 MERGE_GAP = 4 * MiB  # read through gaps smaller than this rather than issue another request
 RESIDENT = 0.5  # a window at least this much in the page cache is read buffered
+MAP_CHUNK = 64 * MiB  # mapped mode: populate windows (see map_extents)
+MAP_DEPTH = 4
 
 Hook = Callable[[Shard, int, memoryview, int], None]
 
@@ -217,9 +219,15 @@ def map_extents(
     hook: Hook | None = None,
     counters: Counters | None = None,
 ) -> list[FileMapping]:
-    """Map every (local) extent privately and populate it through the page cache, ``depth``
-    windows at a time (the ``mapped`` load mode)."""
+    """Map every (local) extent privately and populate it through the page cache, a few large
+    windows at a time (the ``mapped`` load mode).
+
+    Windows of at least MAP_CHUNK with at most MAP_DEPTH in flight: on the machine we measured,
+    64 MiB x 4 populated 2 GiB at ~0.07 CPU-s/GB against ~0.18 for 16 MiB x 8 (fewer, longer
+    readahead streams), at the same wall time."""
     counters = counters or Counters()
+    chunk_size = max(chunk_size, MAP_CHUNK)
+    depth = min(depth, MAP_DEPTH)
     maps = [FileMapping(ext.shard.path, ext.start, ext.end - ext.start) for ext in extents]
     by_ext = {id(e): m for e, m in zip(extents, maps)}
 
