@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tierio.errors import TierioError
-from tierio.io.files import drop_page_cache
+from tierio.io.pagecache import evict
 
 T = TypeVar("T")
 
@@ -71,7 +71,11 @@ def drop_caches(paths: Iterable[str | Path] = ()) -> None:
             files.extend(f for f in p.rglob("*") if f.is_file())
         else:
             files.append(p)
-    drop_page_cache(files)
+    for f in files:
+        try:
+            evict(f)
+        except OSError:
+            pass  # vanished or unreadable: nothing of it to evict
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("1\n")

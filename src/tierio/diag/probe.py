@@ -18,7 +18,8 @@ from pathlib import Path
 from tierio.diag.system import find_mount
 from tierio.errors import ConfigError
 from tierio.io.buffers import HostBuffer
-from tierio.io.files import FileWriter, drop_page_cache, read_into
+from tierio.io.files import FileWriter, read_into
+from tierio.io.pagecache import evict
 
 MiB = 1 << 20
 BLOCK = 64 * MiB  # the probe reuses one source buffer of this size
@@ -76,7 +77,7 @@ def _write(path: Path, src: HostBuffer, size: int, direct: bool) -> tuple[float,
 
 
 def _read(path: Path, dst: HostBuffer, size: int, direct: bool) -> tuple[float, bool]:
-    drop_page_cache([path])
+    evict(path)
     t0 = time.perf_counter()
     used_direct = direct
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))

@@ -415,7 +415,9 @@ def read_file(path: str | Path, *, direct: bool = True, pool: BufferPool | None 
     return buf, size
 
 
-def _copy_chunk(src_fd, dst_fd, src, dst, off, n, direct_dst, on_chunk):
+def _copy_chunk(src_fd, dst_fd, src, dst, off, n, direct_dst, on_chunk, limiter):
+    if limiter is not None:
+        limiter.consume(n)
     buf = bounce_pool().acquire(align_up(n))
     try:
         got = _pread_full(src_fd, buf.view[: align_up(n)], off, src)
@@ -449,42 +451,20 @@ def copy_file(
     src_fd, _ = open_file(src, write=False, direct=direct)
     try:
         dst_fd, dst_direct = open_file(dst, write=True, direct=direct)
-        inflight: deque[Future] = deque()
         try:
             size = os.fstat(src_fd).st_size
             chunk = align_up(chunk_size)
-            for off in range(0, size, chunk):
-                n = min(chunk, size - off)
-                if limiter is not None:
-                    limiter.consume(n)
-                while len(inflight) >= depth:
-                    inflight.popleft().result()
-                inflight.append(executor().submit(_copy_chunk, src_fd, dst_fd, src, dst, off, n, dst_direct, on_chunk))
-            while inflight:
-                inflight.popleft().result()
+            jobs = [(_copy_chunk, src_fd, dst_fd, src, dst, off, min(chunk, size - off), dst_direct, on_chunk, limiter)
+                    for off in range(0, size, chunk)]
+            _run_bounded(jobs, depth)  # returns only once no request is running, also on error
             if dst_direct and size % ALIGN:
                 os.ftruncate(dst_fd, size)
             os.fsync(dst_fd)
         except OSError as exc:
             raise os_error(exc, dst, "copying to") from exc
         finally:
-            for f in inflight:  # never close the fd under a request still running
-                f.exception()
             os.close(dst_fd)
     finally:
         os.close(src_fd)
     return record(IOStats("copy", str(dst), size, time.perf_counter() - t0, dst_direct, -(-size // chunk_size)))
 
-
-def drop_page_cache(paths) -> None:
-    """Ask the kernel to evict these files' pages (clean pages only: fsync first if they were written)."""
-    for p in paths:
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)

@@ -55,7 +55,7 @@ def _windows(spans: list[tuple[int, memoryview]], window: int) -> list[tuple[int
         # allocation units run at half speed on virtual disks, even when 4 KiB aligned.
         pos = align_down(lo, GRID)
         while pos < hi:
-            n = min(window - pos % window if pos % window else window, hi - pos)
+            n = min(window - pos % window, hi - pos)
             out.append((pos, n))
             pos += n
     return out
