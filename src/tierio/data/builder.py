@@ -49,28 +49,33 @@ class BuildStats:
 
 # -- inputs ---------------------------------------------------------------------------------
 
-def iter_jsonl_tokens(path: str | Path, key: str = "tokens") -> Iterator[np.ndarray]:
-    """Documents from JSON Lines: each line a list of ids, or an object with ``key`` -> list."""
-    p = Path(path)
+def _lines(p: Path, text: bool) -> Iterator[tuple[int, str | bytes]]:
+    """(line number, line) for every non-blank line; a file that cannot be opened is a typed error."""
     try:
-        f = open(p, "rb")
+        f = open(p, encoding="utf-8") if text else open(p, "rb")
     except OSError as exc:
         raise os_error(exc, p, "opening") from exc
     with f:
         for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise FormatError(f"{p}:{lineno}: not valid JSON ({exc.msg}); each line must be one document") from None
-            if isinstance(obj, dict):
-                if key not in obj:
-                    raise FormatError(f"{p}:{lineno}: object has no {key!r} field; pass --key with the field holding token ids")
-                obj = obj[key]
-            if not isinstance(obj, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in obj):
-                raise FormatError(f"{p}:{lineno}: expected a list of integer token ids")
-            yield np.asarray(obj, dtype=np.int64)
+            if line.strip():
+                yield lineno, line
+
+
+def iter_jsonl_tokens(path: str | Path, key: str = "tokens") -> Iterator[np.ndarray]:
+    """Documents from JSON Lines: each line a list of ids, or an object with ``key`` -> list."""
+    p = Path(path)
+    for lineno, line in _lines(p, text=False):
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise FormatError(f"{p}:{lineno}: not valid JSON ({exc.msg}); each line must be one document") from None
+        if isinstance(obj, dict):
+            if key not in obj:
+                raise FormatError(f"{p}:{lineno}: object has no {key!r} field; pass --key with the field holding token ids")
+            obj = obj[key]
+        if not isinstance(obj, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in obj):
+            raise FormatError(f"{p}:{lineno}: expected a list of integer token ids")
+        yield np.asarray(obj, dtype=np.int64)
 
 
 def iter_npy_docs(path: str | Path) -> Iterator[np.ndarray]:
@@ -120,22 +125,15 @@ def iter_text_docs(
     p = Path(path)
 
     def texts() -> Iterator[str]:
-        try:
-            f = open(p, encoding="utf-8")
-        except OSError as exc:
-            raise os_error(exc, p, "opening") from exc
-        with f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                if p.suffix == ".jsonl":
-                    try:
-                        obj = json.loads(line)
-                        yield obj[text_key]
-                    except (json.JSONDecodeError, KeyError, TypeError):
-                        raise FormatError(f"{p}:{lineno}: expected a JSON object with a {text_key!r} string") from None
-                else:
-                    yield line.rstrip("\n")
+        for lineno, line in _lines(p, text=True):
+            if p.suffix == ".jsonl":
+                try:
+                    obj = json.loads(line)
+                    yield obj[text_key]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise FormatError(f"{p}:{lineno}: expected a JSON object with a {text_key!r} string") from None
+            else:
+                yield line.rstrip("\n")
 
     pending: list[str] = []
     for text in texts():
