@@ -67,6 +67,26 @@ def test_s3_fill_is_pipelined_verified_and_hit_is_local(tmp_path, s3_url):
     same(load(cache.fetch(s3_url)), ref)
 
 
+def test_cold_cpu_load_maps_the_cache_and_private_mode_does_not(tmp_path, s3_url):
+    ref = make_model(tmp_path / "m", rows=3000)  # ~6 MiB a shard: several 2 MiB checksum windows
+    upload(tmp_path / "m", s3_url)
+    cache = WeightCache(tmp_path / "cache", 1 << 30, chunk_size=2 << 20)
+    cold = LoadStats()
+    out = cache.load(s3_url, stats=cold)
+    same(out, ref)
+    assert cold.method == "mapped+cache-fill" and cold.tensors == len(ref) and cold.remote_bytes == cold.bytes
+    full = LoadStats()
+    same(cache.load(s3_url, stats=full, verify="full"), ref)  # 64 MiB map windows check every 2 MiB sum
+    assert full.method == "mapped"
+    assert cache.evict(s3_url)  # the mapped tensors outlive the entry: its files are unlinked, not rewritten
+    same(out, ref)
+    priv = LoadStats()
+    same(cache.load(s3_url, stats=priv, mapped=False), ref)
+    assert priv.method == "host-arena+cache-fill"
+    with pytest.raises(ConfigError, match="multiple of 2 MiB"):
+        WeightCache(tmp_path / "c2", 1 << 30, chunk_size=3 << 20)
+
+
 def test_corruption_is_caught_and_changed_source_refetched(tmp_path, s3_url):
     make_model(tmp_path / "m")
     upload(tmp_path / "m", s3_url)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tierio.errors import ConfigError, FormatError, NotFoundError
+from tierio.errors import ConfigError, FormatError, IntegrityError, NotFoundError
 from tierio.io import pagecache
 from tierio.weights import LoadStats, inspect, load, load_into
 
@@ -54,17 +55,18 @@ def test_every_dtype_matches_safetensors(st_file):
     out["fp32"] += 1  # loaded tensors are ordinary writable tensors
 
 
-def test_cold_file_is_read_with_o_direct_and_warm_file_through_page_cache(tmp_path):
+def test_private_mode_reads_cold_file_with_o_direct_and_warm_file_through_page_cache(tmp_path):
     p = tmp_path / "w.safetensors"
     save_file({"w": torch.randn(512, 1024)}, str(p))
     pagecache.evict(p)
     assert pagecache.resident_fraction(p) < 0.5
     cold = LoadStats()
-    a = load(p, stats=cold)
+    a = load(p, stats=cold, mapped=False)
+    assert cold.method == "host-arena"
     p.read_bytes()  # now in the page cache
     assert pagecache.resident_fraction(p) == 1.0
     warm = LoadStats()
-    b = load(p, stats=warm)
+    b = load(p, stats=warm, mapped=False)
     same(a, b)
     assert warm.buffered_bytes >= warm.bytes - 4096
     if cold.direct_bytes == 0:
@@ -72,16 +74,49 @@ def test_cold_file_is_read_with_o_direct_and_warm_file_through_page_cache(tmp_pa
     assert cold.direct_bytes > 0.9 * cold.bytes
 
 
-def test_mapped_mode_matches_and_writes_stay_private(st_file, tmp_path):
+def test_default_cpu_load_is_mapped_and_writes_stay_private(st_file, tmp_path):
     before = st_file.read_bytes()
+    pagecache.evict(st_file)
     stats = LoadStats()
-    out = load(st_file, mapped=True, stats=stats)
+    out = load(st_file, stats=stats)
     assert stats.method == "mapped"
+    assert pagecache.resident_fraction(st_file) == 1.0  # populated before returning, not on first use
     same(out, load_file(str(st_file)))
     out["fp32"] += 1  # copy-on-write: the tensor changes, the file does not
     assert st_file.read_bytes() == before
-    sub = load(st_file, keys=["i32", "bf16"], dtype=torch.float32, mapped=True)
+    sub = load(st_file, keys=["i32", "bf16"], dtype=torch.float32)
     assert sub["bf16"].dtype == torch.float32 and torch.equal(sub["i32"], load_file(str(st_file))["i32"])
+    same(load(st_file, mapped=False), load(st_file))
+
+
+def test_mapped_tensors_survive_replacing_the_file_by_rename(tmp_path):
+    p = tmp_path / "m.safetensors"
+    save_file({"w": torch.arange(300_000, dtype=torch.float32)}, str(p))
+    out = load(p)
+    new = tmp_path / "new.safetensors"
+    save_file({"w": torch.zeros(300_000)}, str(new))
+    os.replace(new, p)  # how writers update a model in place safely
+    assert torch.equal(out["w"], torch.arange(300_000, dtype=torch.float32))
+    p.unlink()
+    assert float(out["w"][-1]) == 299_999.0
+
+
+def test_file_truncated_between_header_and_data_is_an_error_not_a_crash(tmp_path, monkeypatch):
+    """Truncated after its header was read: mapping must report it, not SIGBUS the process."""
+    from tierio.weights import sources
+
+    p = tmp_path / "t.safetensors"
+    save_file({"w": torch.randn(1 << 20)}, str(p))
+    real = sources.resolve
+
+    def resolve_then_truncate(*a, **kw):
+        src = real(*a, **kw)
+        os.truncate(p, 1 << 16)
+        return src
+
+    monkeypatch.setattr("tierio.weights.loader.resolve", resolve_then_truncate)
+    with pytest.raises(IntegrityError, match="truncated"):
+        load(p)
 
 
 def test_keys_subset_and_dtype(st_file):
@@ -110,7 +145,7 @@ def test_unaligned_tensor_offsets(tmp_path):
     assert torch.equal(out["a"], a) and torch.equal(out["b"], b)
     same(out, load_file(str(p)))
     assert stats.copied_tensors >= 1
-    same(load(p, mapped=True), load_file(str(p)))
+    same(load(p, mapped=False), load_file(str(p)))
 
 
 def _write(path, header_bytes: bytes, data: bytes = b"", length: int | None = None):
@@ -222,3 +257,14 @@ def test_transformers_save_pretrained_loads(tmp_path):
     load_into(fresh, tmp_path)
     for k, v in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[k], v), k
+
+
+def test_mapping_of_a_file_truncated_after_mapping_reports_it(tmp_path):
+    from tierio.weights.memory import FileMapping
+
+    p = tmp_path / "t.bin"
+    p.write_bytes(b"x" * (8 << 20))
+    m = FileMapping(p, 0, 8 << 20)
+    os.truncate(p, 1 << 20)
+    with pytest.raises(IntegrityError, match="truncated"):
+        m.populate(0, 8 << 20)  # touching the pages instead would kill the process with SIGBUS

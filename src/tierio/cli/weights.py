@@ -14,6 +14,7 @@ EPILOG = """\
 examples:
   tierio weights inspect ./llama/                        shards, tensors, dtypes and sizes (headers only)
   tierio weights load ./llama/ --device cpu              cold-load every tensor; bytes, seconds, GB/s, CPU s/GB
+  tierio weights load ./llama/ --private                 the same into private memory (O_DIRECT, no file mapping)
   tierio weights load model.safetensors --keys lm_head.weight
   tierio weights fetch "s3://models/llama?endpoint=http://127.0.0.1:8333" --cache /nvme/weights
   tierio weights load  "s3://models/llama?endpoint=http://127.0.0.1:8333" --cache /nvme/weights --device cuda
@@ -78,10 +79,11 @@ def cmd_load(args) -> int:
         dtype = getattr(torch, DTYPES[args.dtype])
     keys = args.keys.split(",") if args.keys else None
     stats = LoadStats()
+    mapped = not (args.private or args.buffered)
     if args.cache or args.via_cache:
-        tensors = _cache(args).load(args.source, device=args.device, dtype=dtype, keys=keys, stats=stats, verify=args.verify)
+        tensors = _cache(args).load(args.source, device=args.device, dtype=dtype, keys=keys, stats=stats, verify=args.verify, mapped=mapped)
     else:
-        tensors = load(args.source, device=args.device, dtype=dtype, keys=keys, stats=stats, direct=not args.buffered)
+        tensors = load(args.source, device=args.device, dtype=dtype, keys=keys, stats=stats, direct=not args.buffered, mapped=mapped)
     d = stats.to_dict()
     d["loaded_tensors"] = len(tensors)
     if args.json:
@@ -142,7 +144,10 @@ def register(sub) -> None:
     q.add_argument("--keys", help="comma-separated tensor names to load (default all)")
     q.add_argument("--via-cache", action="store_true", help="go through the weight cache (implied by --cache)")
     q.add_argument("--verify", choices=["size", "full"], default="size", help="cache hits: check sizes only, or every window's xxh3")
-    q.add_argument("--buffered", action="store_true", help="never use O_DIRECT (read through the page cache)")
+    q.add_argument("--private", action="store_true",
+                   help="CPU: read into private memory by O_DIRECT instead of mapping the files copy-on-write "
+                        "(independent of the files afterwards; more CPU per GB)")
+    q.add_argument("--buffered", action="store_true", help="like --private, but read through the page cache (never O_DIRECT)")
     common(q)
     q.set_defaults(handler=cmd_load)
 

@@ -100,3 +100,32 @@ def evict(path: str | Path) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+DEFAULT_READAHEAD = 128 << 10  # the kernel's default readahead, when the device's cannot be read
+
+
+@lru_cache(maxsize=64)
+def _device_readahead(dev: int) -> int:
+    """The most one readahead request of block device ``dev`` may read: max(read_ahead_kb, max_sectors_kb)."""
+    base = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    for queue in (base / "queue", base / ".." / "queue"):  # a whole disk, or the disk of a partition
+        try:
+            kb = [int((queue / f).read_text()) for f in ("read_ahead_kb", "max_sectors_kb")]
+        except (OSError, ValueError):
+            continue
+        return max(kb) << 10 or DEFAULT_READAHEAD
+    return DEFAULT_READAHEAD
+
+
+def prefetch(fd: int, offset: int, length: int) -> None:
+    """Start reading [offset, offset+length) into the page cache without waiting for it.
+
+    POSIX_FADV_WILLNEED reads exactly the range asked (ordinary reads may run ahead into bytes
+    that are still being written), but the kernel cuts each call to the device's readahead size,
+    so a large range is asked for in pieces of that size."""
+    if not hasattr(os, "posix_fadvise") or length <= 0:
+        return
+    piece = _device_readahead(os.fstat(fd).st_dev)
+    for at in range(offset, offset + length, piece):
+        os.posix_fadvise(fd, at, min(piece, offset + length - at), os.POSIX_FADV_WILLNEED)

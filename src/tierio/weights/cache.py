@@ -9,9 +9,16 @@ Layout under ``root``::
     .lock                           held while accounting and evicting
 
 Pipelined fill: the shards are downloaded in ordered windows with several ranged GETs in
-flight, straight into the memory the loaded tensors live in (or through the staging ring for
-GPUs and ``fetch``); every window is written to the cache file and checksummed while it is in
-memory. The load is finished when the download is, with no second read of the cache file.
+flight into the reused staging ring; every window is checksummed and written to the cache file
+by O_DIRECT while it is in memory, and then:
+
+* CPU loads (mapped, the default): the kernel is asked to read the written window back into
+  the page cache in the background, so when the download ends the cache files are resident
+  and the tensors are mapped views of them. No memory is zeroed and the CPU copies nothing but
+  the socket reads, which counts where the download shares its cores with the network stack.
+* GPU loads: the window is also copied to the device from the staging buffer.
+* ``mapped=False`` CPU loads: the download lands in private memory (an arena per shard) and is
+  written from there.
 
 Verification: a fill is committed only if every file has the source's size and its header
 parses to the same tensors as the source's; each window's xxh3 is recorded, so ``verify="full"``
@@ -41,6 +48,7 @@ import torch
 from tierio.errors import ConfigError, DiskFullError, IntegrityError, StorageError, StoreUnavailableError
 from tierio.io.buffers import ALIGN, align_up
 from tierio.io.checksum import xxh3
+from tierio.io import pagecache
 from tierio.io.durable import fsync_dir
 from tierio.io.files import open_file, os_error
 from tierio.weights import engine
@@ -62,10 +70,13 @@ class CacheEntry:
 
 
 class _ShardWriter:
-    """Receives windows of one shard (in any order) and writes them to the cache file."""
+    """Receives windows of one shard (in any order) and writes them to the cache file.
 
-    def __init__(self, shard: Shard, path: Path) -> None:
-        self.shard, self.path = shard, path
+    With ``prefetch`` each written window is then read back into the page cache in the background
+    (see io.pagecache.prefetch), so the file is resident, ready to be mapped, when the download ends."""
+
+    def __init__(self, shard: Shard, path: Path, prefetch: bool = False) -> None:
+        self.shard, self.path, self.prefetch = shard, path, prefetch
         path.parent.mkdir(parents=True, exist_ok=True)
         self.fd, self.direct = open_file(path, write=True, direct=True)
         self.sums: dict[int, str] = {}
@@ -81,6 +92,8 @@ class _ShardWriter:
             done = 0
             while done < len(data):
                 done += os.pwrite(self.fd, data[done:], offset + done)
+            if self.prefetch and self.direct:  # buffered writes left the bytes in the page cache already
+                pagecache.prefetch(self.fd, offset, n)
         except OSError as exc:
             raise os_error(exc, self.path, "writing cache file") from exc
         with self._lock:
@@ -112,6 +125,8 @@ class WeightCache:
         self.root = Path(root).expanduser().absolute()
         self.max_bytes = int(max_bytes)
         self.check_source = check_source
+        if chunk_size <= 0 or chunk_size % (2 << 20):
+            raise ConfigError(f"WeightCache chunk_size must be a positive multiple of 2 MiB (a checksum window), got {chunk_size}")
         self.chunk_size = chunk_size
         self.depth = depth
         try:
@@ -206,17 +221,20 @@ class WeightCache:
         *,
         stats: LoadStats | None = None,
         verify: str = "size",
+        mapped: bool = True,
     ) -> dict[str, torch.Tensor]:
         """Load through the cache: from the local copy when present, else while filling it.
 
         ``verify``: "size" (sizes and source freshness) or "full" (also every window's xxh3).
+        ``mapped``: as for :func:`tierio.weights.load`; CPU tensors are views of the cached files
+        (evicting or refreshing the entry later is safe: files are unlinked, never rewritten).
         """
         if verify not in ("size", "full"):
             raise ConfigError(f"verify must be 'size' or 'full', got {verify!r}")
         stats = stats if stats is not None else LoadStats()
         dev = _device(device)
         with _Timer(stats):
-            _, out = self._ensure(str(url), stats, load=(dev, dtype, keys, verify))
+            _, out = self._ensure(str(url), stats, load=(dev, dtype, keys, verify, mapped))
         return out  # type: ignore[return-value]
 
     def evict(self, url: str) -> bool:
@@ -252,27 +270,36 @@ class WeightCache:
             return self._fill(url, name, resolve(url), stats, load)
 
     def _local_path(self, name: str, rec: dict[str, Any]) -> Path:
-        d = self._entry_dir(name)
-        return d / rec["files_order"][0] if rec["kind"] == "file" else d
+        return self._local_path_in(self._entry_dir(name), rec["kind"], rec["files_order"][0])
+
+    @staticmethod
+    def _local_path_in(entry: Path, kind: str, first_file: str) -> Path:
+        """What to load from in an entry directory: the file of a single-file model, else the directory."""
+        return entry / first_file if kind == "file" else entry
 
     def _from_cache(self, name: str, rec: dict[str, Any], stats: LoadStats, load):
         path = self._local_path(name, rec)
         if load is None:
             return path, None
-        dev, dtype, keys, verify = load
+        dev, dtype, keys, verify, mapped = load
         src = resolve(path)
+        chunk = int(rec.get("chunk", self.chunk_size))
         hook = None
         if verify == "full":
             sums = {k: v.get("xxh3", {}) for k, v in rec["files"].items()}
 
             def hook(shard: Shard, offset: int, view: memoryview, n: int) -> None:
-                want = sums.get(shard.key, {}).get(str(offset))
-                if want is not None and xxh3(view[:n]) != want:
-                    raise IntegrityError(f"cached {shard.where} bytes {offset}..{offset + n} fail their checksum; run `tierio weights fetch` again or delete the entry")
+                # Windows are whole multiples of the fill's checksum window (see engine).
+                for rel in range(0, n, chunk):
+                    at, m = offset + rel, min(chunk, n - rel)
+                    want = sums.get(shard.key, {}).get(str(at))
+                    if want is None or xxh3(view[rel : rel + m]) != want:
+                        why = "have no recorded checksum" if want is None else "fail their checksum"
+                        raise IntegrityError(f"cached {shard.where} bytes {at}..{at + m} {why}; run `tierio weights fetch` again or evict the entry")
 
         out = load_resolved(
-            src, dev, dtype, keys, stats=stats, chunk_size=rec.get("chunk", self.chunk_size), depth=self.depth,
-            whole_files=verify == "full", hook=hook,
+            src, dev, dtype, keys, stats=stats, chunk_size=chunk, depth=self.depth,
+            whole_files=verify == "full", hook=hook, mapped=mapped,
         )
         return path, out
 
@@ -322,14 +349,16 @@ class WeightCache:
                 else:
                     shutil.copyfile(src.root / key, dst)  # type: ignore[operator]
                 sizes[key] = {"size": dst.stat().st_size, "mtime": 0.0}
+            # CPU loads that map the cache files only need the download written (and read back).
+            map_after = load is not None and load[0].type == "cpu" and load[4]
             for s in src.shards:
-                writers[id(s)] = _ShardWriter(s, tmp / s.key)
+                writers[id(s)] = _ShardWriter(s, tmp / s.key, prefetch=map_after)
 
             def hook(shard: Shard, offset: int, view: memoryview, n: int) -> None:
                 writers[id(shard)].write(offset, view, n)
 
             out = None
-            if load is None:
+            if load is None or map_after:
                 extents = [engine.Extent(s, 0, s.size) for s in src.shards if s.size]
                 counters = engine.Counters()
                 engine.read_through_ring(extents, None, chunk_size=self.chunk_size, depth=self.depth, hook=hook, counters=counters)
@@ -338,8 +367,9 @@ class WeightCache:
                 stats.files += len(src.shards)
                 stats.method = "cache-fill"
             else:
-                dev, dtype, keys, _ = load
-                out = load_resolved(src, dev, dtype, keys, stats=stats, chunk_size=self.chunk_size, depth=self.depth, whole_files=True, hook=hook)
+                dev, dtype, keys, _, mapped = load
+                out = load_resolved(src, dev, dtype, keys, stats=stats, chunk_size=self.chunk_size, depth=self.depth,
+                                    whole_files=True, hook=hook, mapped=mapped)
                 stats.method += "+cache-fill"
             for s in src.shards:
                 w = writers.pop(id(s))
@@ -350,6 +380,14 @@ class WeightCache:
                 if got.tensors != s.header.tensors:  # type: ignore[union-attr]
                     raise IntegrityError(f"cache copy of {s.where} has a different header than the source; the source changed during the copy")
                 sizes[s.key] = {"size": s.size, "mtime": s.mtime, "xxh3": {str(k): v for k, v in sorted(w.sums.items())}}
+            if map_after:  # the fill is complete and verified: map the local copy (resident by now)
+                dev, dtype, keys, _, _ = load
+                local = LoadStats()
+                out = load_resolved(resolve(self._local_path_in(tmp, src.kind, src.shards[0].key)), dev, dtype, keys,
+                                    stats=local, chunk_size=self.chunk_size, depth=self.depth, mapped=True)
+                stats.method = f"{local.method}+cache-fill"
+                stats.tensors += local.tensors
+                stats.copied_tensors += local.copied_tensors
             record = {
                 "version": VERSION, "source": url, "kind": src.kind, "bytes": need + sum(v["size"] for k, v in sizes.items() if k not in shard_keys),
                 "files": sizes, "files_order": [s.key for s in src.shards], "chunk": self.chunk_size, "created": time.time(),

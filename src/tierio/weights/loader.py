@@ -1,7 +1,9 @@
 """load() and load_into(): safetensors weights into tensors at disk bandwidth.
 
-CPU target: each shard (or each needed byte range of it) is read by O_DIRECT into one huge-page
-arena and the tensors are zero-copy views of it (see memory.py for why fresh tensors are slow).
+CPU target, local files (the default): each shard (or each needed byte range of it) is mapped
+copy-on-write and populated through the page cache in large windows, several in flight; the
+tensors are views of the mapping. ``mapped=False`` reads by O_DIRECT into one private huge-page
+arena per shard instead (see memory.py for what each costs, and docs/weights.md for the choice).
 GPU target: GPUDirect Storage through kvikio when it works; otherwise windows go through a
 bounded ring of pinned buffers and are copied to the device on per-thread CUDA streams while
 the next windows are being read. load_into streams through the same ring into existing tensors.
@@ -36,7 +38,7 @@ class LoadStats:
 
     source: str = ""
     device: str = "cpu"
-    method: str = ""  # "host-arena" | "pinned-ring" | "gds" | "in-place"
+    method: str = ""  # "mapped" | "host-arena" | "pinned-ring" | "gds" | "in-place" (+ "+cache-fill")
     files: int = 0
     tensors: int = 0
     bytes: int = 0  # bytes read from storage
@@ -142,15 +144,21 @@ def load(
     chunk_size: int = engine.DEFAULT_CHUNK,
     depth: int = engine.DEFAULT_DEPTH,
     use_gds: bool | None = None,
-    mapped: bool = False,
+    mapped: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Load tensors from a .safetensors file, a model directory, a tierio checkpoint or an s3:// URL.
 
     ``keys`` limits the load to those tensors (only their byte ranges are read); ``dtype``
     converts floating-point tensors; ``stats`` (a LoadStats) receives bytes, seconds and CPU time.
-    ``mapped=True`` (CPU, local files) returns copy-on-write views of the files populated through
-    the page cache in parallel, instead of O_DIRECT reads into new memory: much less CPU per GB,
-    but the tensors fault (SIGBUS) if the file is truncated while they live.
+
+    ``mapped`` chooses the memory CPU tensors of local files live in. ``True`` (default):
+    copy-on-write views of the files, populated through the page cache in parallel
+    before returning; several processes loading the same model share its pages, and writing to a
+    tensor copies only that page. Files must then not be truncated or rewritten in place while the
+    tensors live (replacing them by a rename, as tierio's writers and weight cache do, is safe).
+    ``False``: private memory filled by O_DIRECT reads (``direct=False``: through the page cache),
+    independent of the files; it costs more CPU, most of it spent faulting in the new memory.
+    GPU targets and remote sources ignore ``mapped``.
     """
     stats = stats if stats is not None else LoadStats()
     dev = _device(device)
@@ -174,7 +182,7 @@ def load_resolved(
     use_gds: bool | None = None,
     whole_files: bool = False,
     hook: Hook | None = None,
-    mapped: bool = False,
+    mapped: bool = True,
 ) -> dict[str, torch.Tensor]:
     """The loader proper, for an already resolved source (the weight cache calls it with a hook)."""
     keys = list(keys) if keys is not None else None
@@ -194,10 +202,15 @@ def load_resolved(
     counters = Counters()
     kw = dict(chunk_size=chunk_size, depth=depth, direct=direct, hook=hook, counters=counters)
     out: dict[str, torch.Tensor] = {}
+    maps = None
     if dev.type == "cpu" and mapped and all(x.shard.path is not None for x in extents):
+        try:
+            maps = engine.map_extents(extents, **{k: v for k, v in kw.items() if k != "direct"})
+        except OSError as exc:  # a filesystem that cannot map files (some FUSE mounts): read instead
+            log.warning("cannot map %s (%s); reading into private memory instead", src.url, exc)
+    if maps is not None:
         stats.method = "mapped"
-        kw.pop("direct")
-        for ext, m in zip(extents, engine.map_extents(extents, **kw)):
+        for ext, m in zip(extents, maps):
             base = m.tensor()
             for e in ext.entries:
                 out[names[(id(ext.shard), e.name)]] = _view(base, ext.offset_of(e), e, stats)

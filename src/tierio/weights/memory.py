@@ -1,24 +1,33 @@
-"""Host memory for loaded weights: huge-page arenas populated by the kernel, and the staging ring.
+"""Host memory for loaded weights: file mappings, huge-page arenas, and the staging ring.
 
-Why arenas: tensors built in freshly allocated memory pay one page fault per 4 KiB page on first
-touch. On virtual machines that runs below 1 GB/s, slower than an NVMe read, so a loader that
-reads into ``torch.empty`` tensors is bound by page faults, not by the disk. An arena is one
-anonymous mapping per file (or per needed byte range), advised to use transparent huge pages
-(one fault per 2 MiB) and populated by ``MADV_POPULATE_WRITE`` window by window in the reader
-threads, right before the window is read, so populating overlaps the I/O of the other windows.
-Tensors are zero-copy views of the arena; the arena lives as long as any of its tensors.
+Tensors built in freshly allocated memory pay a page fault and a page of zeroing per 4 KiB on
+first touch. On virtual machines that runs below 1 GB/s and costs more CPU than the read itself,
+so a loader that reads into ``torch.empty`` tensors is bound by page faults, not by the disk.
+
+* FileMapping (the default for CPU loads of local files): a copy-on-write mapping of the file,
+  populated by the kernel with ``MADV_POPULATE_READ`` in large windows from several threads.
+  Page-cache pages are filled by the device and need no zeroing: the cheapest memory there is.
+* Arena (``mapped=False``, and the memory a remote load lands in): one anonymous mapping per
+  file (or per needed byte range), advised to use transparent huge pages (one fault per 2 MiB)
+  and populated by ``MADV_POPULATE_WRITE`` window by window in the reader threads, right before
+  the window is read by O_DIRECT, so populating overlaps the I/O of the other windows.
+
+Tensors are zero-copy views of either; the mapping lives as long as any of its tensors.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import mmap
+import os
 import threading
 from functools import lru_cache
 
 import numpy as np
 
+from tierio.errors import IntegrityError
 from tierio.io.buffers import ALIGN, BufferPool, align_up
 
 HUGE = 2 << 20
@@ -93,13 +102,14 @@ class FileMapping:
     """
 
     def __init__(self, path, start: int, nbytes: int) -> None:
-        import os
-
+        self.path, self.start = path, start
         self.nbytes = nbytes
         self.capacity = nbytes
         fd = os.open(path, os.O_RDONLY)
         try:
             self._mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+        except ValueError:  # Python checks the size first
+            raise IntegrityError(f"{path} ends before byte {start + nbytes} that its header promises: it was truncated") from None
         finally:
             os.close(fd)
         self.address = int(np.frombuffer(self._mm, np.uint8).ctypes.data)
@@ -110,8 +120,17 @@ class FileMapping:
         length = min(length, self.nbytes - offset)
         if length <= 0:
             return
-        if lib is None or lib.madvise(self.address + offset, length, MADV_POPULATE_READ) != 0:
-            np.frombuffer(self.view, np.uint8, count=length, offset=offset)[::ALIGN].sum()  # older kernels: touch
+        if lib is not None:
+            if lib.madvise(self.address + offset, length, MADV_POPULATE_READ) == 0:
+                return
+            err = ctypes.get_errno()
+            if err in (errno.EFAULT, errno.EIO):
+                # Touching these pages would kill the process with SIGBUS: say what happened instead.
+                what = "ends before the mapped range (it was truncated)" if err == errno.EFAULT else "could not be read (I/O error)"
+                raise IntegrityError(f"{self.path} {what} at bytes {self.start + offset}..{self.start + offset + length}")
+            if err not in (errno.EINVAL, errno.ENOSYS):
+                raise OSError(err, os.strerror(err), str(self.path))
+        np.frombuffer(self.view, np.uint8, count=length, offset=offset)[::ALIGN].sum()  # kernels before 5.14: touch
 
     def tensor(self):
         import torch
