@@ -18,6 +18,7 @@ is in memory (the weight cache writes and checksums it there).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -167,12 +168,18 @@ def _run(tasks: list[Callable[[], None]], depth: int) -> None:
             raise
 
 
-def _readers(extents: list[Extent], direct: bool, counters: Counters) -> dict[int, ShardReader]:
+def _read_windows(extents: list[Extent], chunk: int, depth: int, direct: bool, counters: Counters,
+                  body: Callable[[ShardReader, Extent, int, int], None]) -> None:
+    """Run ``body(reader, extent, rel, n)`` for every window on ``depth`` threads, one reader per shard."""
     readers: dict[int, ShardReader] = {}
-    for ext in extents:
-        if id(ext.shard) not in readers:
-            readers[id(ext.shard)] = ShardReader(ext.shard, direct, counters)
-    return readers
+    try:
+        for ext in extents:
+            if id(ext.shard) not in readers:
+                readers[id(ext.shard)] = ShardReader(ext.shard, direct, counters)
+        _run([functools.partial(body, readers[id(ext.shard)], ext, rel, n) for ext, rel, n in _windows(extents, chunk)], depth)
+    finally:
+        for r in readers.values():
+            r.close()
 
 
 def read_to_arenas(
@@ -189,25 +196,17 @@ def read_to_arenas(
     chunk = align_up(chunk_size, 2 * MiB)  # whole huge pages per window
     arenas = [Arena(ext.end - ext.start) for ext in extents]
     by_ext = {id(e): a for e, a in zip(extents, arenas)}
-    readers = _readers(extents, direct, counters)
 
-    def task(ext: Extent, rel: int, n: int) -> Callable[[], None]:
-        def run() -> None:
-            arena = by_ext[id(ext)]
-            cap = min(align_up(n), arena.capacity - rel)
-            arena.populate(rel, cap)
-            view = arena.view[rel : rel + cap]
-            readers[id(ext.shard)].read(ext.start + rel, view, n)
-            if hook is not None:
-                hook(ext.shard, ext.start + rel, view, n)
+    def window(reader: ShardReader, ext: Extent, rel: int, n: int) -> None:
+        arena = by_ext[id(ext)]
+        cap = min(align_up(n), arena.capacity - rel)
+        arena.populate(rel, cap)
+        view = arena.view[rel : rel + cap]
+        reader.read(ext.start + rel, view, n)
+        if hook is not None:
+            hook(ext.shard, ext.start + rel, view, n)
 
-        return run
-
-    try:
-        _run([task(*w) for w in _windows(extents, chunk)], depth)
-    finally:
-        for r in readers.values():
-            r.close()
+    _read_windows(extents, chunk, depth, direct, counters, window)
     return arenas
 
 
@@ -265,28 +264,20 @@ def read_through_ring(
     chunk = align_up(chunk_size)
     pool = staging_pool()
     depth = max(1, min(depth, pool.budget_bytes // chunk))  # staging memory stays within the budget
-    readers = _readers(extents, direct, counters)
 
-    def task(ext: Extent, rel: int, n: int) -> Callable[[], None]:
-        def run() -> None:
-            buf = pool.acquire(chunk)
-            try:
-                view = buf.view[: align_up(n)]
-                readers[id(ext.shard)].read(ext.start + rel, view, n)
-                if hook is not None:
-                    hook(ext.shard, ext.start + rel, view, n)
-                if sink is not None:
-                    sink(ext, rel, view, n, buf)
-            finally:
-                pool.release(buf)
+    def window(reader: ShardReader, ext: Extent, rel: int, n: int) -> None:
+        buf = pool.acquire(chunk)
+        try:
+            view = buf.view[: align_up(n)]
+            reader.read(ext.start + rel, view, n)
+            if hook is not None:
+                hook(ext.shard, ext.start + rel, view, n)
+            if sink is not None:
+                sink(ext, rel, view, n, buf)
+        finally:
+            pool.release(buf)
 
-        return run
-
-    try:
-        _run([task(*w) for w in _windows(extents, chunk)], depth)
-    finally:
-        for r in readers.values():
-            r.close()
+    _read_windows(extents, chunk, depth, direct, counters, window)
 
 
 def check_entries_fit(extents: list[Extent]) -> None:
