@@ -253,4 +253,3 @@ def test_tables_render_every_section(capsys):
     plan = build_plan(PlanInputs(model=preset("405b"), gpus=2048))
     assert plan["kv"]["serve_gpus"] == 8                                     # 405 GB FP8 needs 8 × 80 GB
     assert math.isfinite(plan["cost"]["total"])
-
