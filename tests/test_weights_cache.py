@@ -83,6 +83,12 @@ def test_cold_cpu_load_maps_the_cache_and_private_mode_does_not(tmp_path, s3_url
     priv = LoadStats()
     same(cache.load(s3_url, stats=priv, mapped=False), ref)
     assert priv.method == "host-arena+cache-fill"
+    shard = cache.entries()[0].path / "model-00001-of-00002.safetensors"
+    fd = os.open(shard, os.O_WRONLY)
+    os.pwrite(fd, b"\xff", (2 << 20) + 12345)  # inside the second checksum window of the file
+    os.close(fd)
+    with pytest.raises(IntegrityError, match=f"bytes {2 << 20}..{4 << 20} fail their checksum"):
+        cache.load(s3_url, verify="full")
     with pytest.raises(ConfigError, match="multiple of 2 MiB"):
         WeightCache(tmp_path / "c2", 1 << 30, chunk_size=3 << 20)
 

@@ -46,9 +46,9 @@ from typing import Any
 import torch
 
 from tierio.errors import ConfigError, DiskFullError, IntegrityError, StorageError, StoreUnavailableError
+from tierio.io import pagecache
 from tierio.io.buffers import ALIGN, align_up
 from tierio.io.checksum import xxh3
-from tierio.io import pagecache
 from tierio.io.durable import fsync_dir
 from tierio.io.files import open_file, os_error
 from tierio.weights import engine

@@ -124,10 +124,11 @@ class FileMapping:
             if lib.madvise(self.address + offset, length, MADV_POPULATE_READ) == 0:
                 return
             err = ctypes.get_errno()
-            if err in (errno.EFAULT, errno.EIO):
+            if err in (errno.EFAULT, errno.EIO, 133):  # 133: EHWPOISON (not in Python's errno)
                 # Touching these pages would kill the process with SIGBUS: say what happened instead.
-                what = "ends before the mapped range (it was truncated)" if err == errno.EFAULT else "could not be read (I/O error)"
-                raise IntegrityError(f"{self.path} {what} at bytes {self.start + offset}..{self.start + offset + length}")
+                raise IntegrityError(
+                    f"{self.path} could not be read at bytes {self.start + offset}..{self.start + offset + length}: "
+                    "it was truncated while loading, or the device returned an I/O error")
             if err not in (errno.EINVAL, errno.ENOSYS):
                 raise OSError(err, os.strerror(err), str(self.path))
         np.frombuffer(self.view, np.uint8, count=length, offset=offset)[::ALIGN].sum()  # kernels before 5.14: touch
