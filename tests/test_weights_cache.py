@@ -179,3 +179,12 @@ def test_cli_fetch_load_inspect(tmp_path, s3_url):
     assert r.returncode == 1 and "does not exist" in r.stderr and "Traceback" not in r.stderr
     ref = load_file(str(tmp_path / "m" / "model-00001-of-00002.safetensors"))
     assert ref  # the source files are untouched
+
+
+def test_fetch_reports_download_progress(tmp_path, s3_url):
+    make_model(tmp_path / "m")
+    upload(tmp_path / "m", s3_url)
+    shards = sum(f.stat().st_size for f in (tmp_path / "m").glob("*.safetensors"))
+    calls = []
+    WeightCache(tmp_path / "cache", 1 << 30).fetch(s3_url, progress=lambda d, t: calls.append((d, t)))
+    assert calls[-1] == (shards, shards)

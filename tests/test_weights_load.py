@@ -268,3 +268,16 @@ def test_mapping_of_a_file_truncated_after_mapping_reports_it(tmp_path):
     os.truncate(p, 1 << 20)
     with pytest.raises(IntegrityError, match="truncated"):
         m.populate(0, 8 << 20)  # touching the pages instead would kill the process with SIGBUS
+
+
+@pytest.mark.parametrize("mapped", [True, False])
+def test_progress_reports_every_byte_in_order(st_file, mapped):
+    calls = []
+    stats = LoadStats()
+    load(st_file, stats=stats, mapped=mapped, progress=lambda done, total: calls.append((done, total)))
+    assert calls and calls[-1] == (stats.bytes, stats.bytes)
+    assert all(a[0] <= b[0] for a, b in zip(calls, calls[1:]))
+    into = {k: torch.empty_like(v) for k, v in load_file(str(st_file)).items()}
+    calls.clear()
+    res = load_into(into, st_file, progress=lambda done, total: calls.append((done, total)))
+    assert calls[-1] == (res.stats.bytes, res.stats.bytes)

@@ -6,7 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
-from tierio.cli.output import print_json, print_table
+from tierio.cli.output import byte_progress, print_json, print_table
 from tierio.errors import ConfigError
 from tierio.units import human_bytes, human_rate, parse_size
 
@@ -80,10 +80,13 @@ def cmd_load(args) -> int:
     keys = args.keys.split(",") if args.keys else None
     stats = LoadStats()
     mapped = not (args.private or args.buffered)
-    if args.cache or args.via_cache:
-        tensors = _cache(args).load(args.source, device=args.device, dtype=dtype, keys=keys, stats=stats, verify=args.verify, mapped=mapped)
-    else:
-        tensors = load(args.source, device=args.device, dtype=dtype, keys=keys, stats=stats, direct=not args.buffered, mapped=mapped)
+    with byte_progress("loading") as progress:
+        if args.cache or args.via_cache:
+            tensors = _cache(args).load(args.source, device=args.device, dtype=dtype, keys=keys, stats=stats,
+                                        verify=args.verify, mapped=mapped, progress=progress)
+        else:
+            tensors = load(args.source, device=args.device, dtype=dtype, keys=keys, stats=stats,
+                           direct=not args.buffered, mapped=mapped, progress=progress)
     d = stats.to_dict()
     d["loaded_tensors"] = len(tensors)
     if args.json:
@@ -97,7 +100,8 @@ def cmd_fetch(args) -> int:
     from tierio.weights import LoadStats
 
     stats = LoadStats(source=str(args.source), device="none")
-    path = _cache(args).fetch(args.source, stats=stats)
+    with byte_progress("fetching") as progress:
+        path = _cache(args).fetch(args.source, stats=stats, progress=progress)
     d = stats.to_dict()
     d["path"] = str(path)
     if args.json:

@@ -52,6 +52,7 @@ from tierio.io.checksum import xxh3
 from tierio.io.durable import fsync_dir
 from tierio.io.files import open_file, os_error
 from tierio.weights import engine
+from tierio.weights.engine import Progress
 from tierio.weights.loader import LoadStats, _device, _Timer, load_resolved
 from tierio.weights.sources import ModelSource, Shard, _read_header_local, resolve
 
@@ -205,11 +206,12 @@ class WeightCache:
         return None
 
     # -- public API ---------------------------------------------------------------------------
-    def fetch(self, url: str | Path, *, stats: LoadStats | None = None) -> Path:
-        """Make sure ``url`` is cached; returns the local path to load from."""
+    def fetch(self, url: str | Path, *, stats: LoadStats | None = None, progress: Progress | None = None) -> Path:
+        """Make sure ``url`` is cached; returns the local path to load from. ``progress(done, total)``
+        hears the download (not called on a hit)."""
         stats = stats if stats is not None else LoadStats()
         with _Timer(stats):
-            path, _ = self._ensure(str(url), stats, load=None)
+            path, _ = self._ensure(str(url), stats, load=None, progress=progress)
         return path
 
     def load(
@@ -222,19 +224,21 @@ class WeightCache:
         stats: LoadStats | None = None,
         verify: str = "size",
         mapped: bool = True,
+        progress: Progress | None = None,
     ) -> dict[str, torch.Tensor]:
         """Load through the cache: from the local copy when present, else while filling it.
 
         ``verify``: "size" (sizes and source freshness) or "full" (also every window's xxh3).
         ``mapped``: as for :func:`tierio.weights.load`; CPU tensors are views of the cached files
         (evicting or refreshing the entry later is safe: files are unlinked, never rewritten).
+        ``progress(done, total)``: the download on a miss, the local read on a hit.
         """
         if verify not in ("size", "full"):
             raise ConfigError(f"verify must be 'size' or 'full', got {verify!r}")
         stats = stats if stats is not None else LoadStats()
         dev = _device(device)
         with _Timer(stats):
-            _, out = self._ensure(str(url), stats, load=(dev, dtype, keys, verify, mapped))
+            _, out = self._ensure(str(url), stats, load=(dev, dtype, keys, verify, mapped), progress=progress)
         return out  # type: ignore[return-value]
 
     def evict(self, url: str) -> bool:
@@ -247,7 +251,7 @@ class WeightCache:
         return False
 
     # -- internals ----------------------------------------------------------------------------
-    def _ensure(self, url: str, stats: LoadStats, load):
+    def _ensure(self, url: str, stats: LoadStats, load, progress: Progress | None = None):
         name = self.entry_name(url)
         d = self._entry_dir(name)
         with self._entry_lock(name, fcntl.LOCK_EX) as fd:
@@ -264,10 +268,10 @@ class WeightCache:
                     stats.extra["cache"] = "hit"
                     _mark_used(d / RECORD)
                     fcntl.flock(fd, fcntl.LOCK_SH)  # others may load it too; eviction must wait
-                    return self._from_cache(name, rec, stats, load)
+                    return self._from_cache(name, rec, stats, load, progress)
                 log.info("cached copy of %s is stale (%s); fetching again", url, why)
             stats.extra["cache"] = "miss"
-            return self._fill(url, name, resolve(url), stats, load)
+            return self._fill(url, name, resolve(url), stats, load, progress)
 
     def _local_path(self, name: str, rec: dict[str, Any]) -> Path:
         return self._local_path_in(self._entry_dir(name), rec["kind"], rec["files_order"][0])
@@ -277,7 +281,7 @@ class WeightCache:
         """What to load from in an entry directory: the file of a single-file model, else the directory."""
         return entry / first_file if kind == "file" else entry
 
-    def _from_cache(self, name: str, rec: dict[str, Any], stats: LoadStats, load):
+    def _from_cache(self, name: str, rec: dict[str, Any], stats: LoadStats, load, progress: Progress | None):
         path = self._local_path(name, rec)
         if load is None:
             return path, None
@@ -299,7 +303,7 @@ class WeightCache:
 
         out = load_resolved(
             src, dev, dtype, keys, stats=stats, chunk_size=chunk, depth=self.depth,
-            whole_files=verify == "full", hook=hook, mapped=mapped,
+            whole_files=verify == "full", hook=hook, mapped=mapped, progress=progress,
         )
         return path, out
 
@@ -327,7 +331,7 @@ class WeightCache:
             if free < need:
                 raise DiskFullError(f"{self.root} has {free} bytes free but the model needs {need}; free space or move the cache")
 
-    def _fill(self, url: str, name: str, src: ModelSource, stats: LoadStats, load):
+    def _fill(self, url: str, name: str, src: ModelSource, stats: LoadStats, load, progress: Progress | None):
         need = src.total_bytes
         self._make_room(name, need)
         entries = self.root / "entries"
@@ -360,7 +364,7 @@ class WeightCache:
             out = None
             if load is None or map_after:
                 extents = [engine.Extent(s, 0, s.size) for s in src.shards if s.size]
-                counters = engine.Counters()
+                counters = engine.Counters(total=sum(x.end for x in extents), progress=progress)
                 engine.read_through_ring(extents, None, chunk_size=self.chunk_size, depth=self.depth, hook=hook, counters=counters)
                 stats.bytes += sum(s.size for s in src.shards)
                 stats.remote_bytes += counters.remote_bytes
@@ -369,7 +373,7 @@ class WeightCache:
             else:
                 dev, dtype, keys, _, mapped = load
                 out = load_resolved(src, dev, dtype, keys, stats=stats, chunk_size=self.chunk_size, depth=self.depth,
-                                    whole_files=True, hook=hook, mapped=mapped)
+                                    whole_files=True, hook=hook, mapped=mapped, progress=progress)
                 stats.method += "+cache-fill"
             for s in src.shards:
                 w = writers.pop(id(s))

@@ -80,16 +80,26 @@ def plan_extents(shard: Shard, entries: list[TensorEntry], whole_file: bool = Fa
     return out
 
 
+Progress = Callable[[int, int], None]  # (bytes done, bytes in all), called from the I/O threads
+
+
 @dataclass
 class Counters:
+    """Bytes moved, by way; ``progress`` (if any) hears every window as it lands, in order of
+    completion, with a done count that only grows."""
+
     direct_bytes: int = 0
     buffered_bytes: int = 0
     remote_bytes: int = 0
+    total: int = 0
+    progress: Progress | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, kind: str, n: int) -> None:
         with self._lock:
             setattr(self, kind, getattr(self, kind) + n)
+            if self.progress is not None:
+                self.progress(self.direct_bytes + self.buffered_bytes + self.remote_bytes, self.total)
 
 
 class ShardReader:

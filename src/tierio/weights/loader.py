@@ -26,7 +26,7 @@ from tierio.errors import ConfigError, NotFoundError
 from tierio.format.safetensors import TensorEntry, torch_dtype
 from tierio.io import gds
 from tierio.weights import engine
-from tierio.weights.engine import Counters, Extent, Hook
+from tierio.weights.engine import Counters, Extent, Hook, Progress
 from tierio.weights.sources import ModelSource, Shard, resolve
 
 log = logging.getLogger(__name__)
@@ -145,11 +145,13 @@ def load(
     depth: int = engine.DEFAULT_DEPTH,
     use_gds: bool | None = None,
     mapped: bool = True,
+    progress: Progress | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load tensors from a .safetensors file, a model directory, a tierio checkpoint or an s3:// URL.
 
     ``keys`` limits the load to those tensors (only their byte ranges are read); ``dtype``
-    converts floating-point tensors; ``stats`` (a LoadStats) receives bytes, seconds and CPU time.
+    converts floating-point tensors; ``stats`` (a LoadStats) receives bytes, seconds and CPU time;
+    ``progress(done, total)`` is called from the reader threads as each window of bytes lands.
 
     ``mapped`` chooses the memory CPU tensors of local files live in. ``True`` (default):
     copy-on-write views of the files, populated through the page cache in parallel
@@ -165,7 +167,7 @@ def load(
     with _Timer(stats):
         src = source if isinstance(source, ModelSource) else resolve(source)
         out = load_resolved(src, dev, dtype, keys, stats=stats, direct=direct, chunk_size=chunk_size, depth=depth,
-                            use_gds=use_gds, mapped=mapped)
+                            use_gds=use_gds, mapped=mapped, progress=progress)
     return out
 
 
@@ -183,6 +185,7 @@ def load_resolved(
     whole_files: bool = False,
     hook: Hook | None = None,
     mapped: bool = True,
+    progress: Progress | None = None,
 ) -> dict[str, torch.Tensor]:
     """The loader proper, for an already resolved source (the weight cache calls it with a hook)."""
     keys = list(keys) if keys is not None else None
@@ -199,7 +202,7 @@ def load_resolved(
         have = {id(s) for s in selected}
         extents += [engine.Extent(s, 0, s.size) for s in src.shards if id(s) not in have and s.size]
     engine.check_entries_fit(extents)
-    counters = Counters()
+    counters = Counters(total=sum(x.end - x.start for x in extents), progress=progress)
     kw = dict(chunk_size=chunk_size, depth=depth, direct=direct, hook=hook, counters=counters)
     out: dict[str, torch.Tensor] = {}
     maps = None
@@ -286,6 +289,7 @@ def _load_cuda(extents, names, dev, stats: LoadStats, kw, use_gds) -> dict[str, 
             done = True
         except Exception as exc:  # kvikio present but not working: say so once and fall back
             log.warning("GPUDirect Storage read failed (%s); using the pinned staging ring", exc)
+            kw["counters"].direct_bytes = 0  # the ring reads every extent again
     if not done:
         stats.method = "pinned-ring"
 
@@ -330,6 +334,7 @@ def load_into(
     direct: bool = True,
     chunk_size: int = engine.DEFAULT_CHUNK,
     depth: int = engine.DEFAULT_DEPTH,
+    progress: Progress | None = None,
 ) -> LoadIntoResult:
     """Fill the existing tensors of a module or state dict in place from ``source``.
 
@@ -358,12 +363,12 @@ def load_into(
             e = table[k][1]
             if tuple(dests[k].shape) != e.shape:
                 raise ConfigError(f"tensor {k!r}: target shape {tuple(dests[k].shape)} but {table[k][0].where} holds {list(e.shape)}")
-        _fill(src, dests, names, table, stats, direct, chunk_size, depth)
+        _fill(src, dests, names, table, stats, direct, chunk_size, depth, progress)
     stats.tensors += len(names)
     return LoadIntoResult(names, missing, unexpected, stats)
 
 
-def _fill(src, dests, names, table, stats: LoadStats, direct, chunk_size, depth) -> None:
+def _fill(src, dests, names, table, stats: LoadStats, direct, chunk_size, depth, progress) -> None:
     by_shard: dict[int, list[TensorEntry]] = {}
     shards: dict[int, Shard] = {}
     sinks: dict[tuple[int, str], torch.Tensor] = {}  # (shard, stored name) -> destination bytes
@@ -405,7 +410,7 @@ def _fill(src, dests, names, table, stats: LoadStats, direct, chunk_size, depth)
                     dst.copy_(piece)
             i += 1
 
-    counters = Counters()
+    counters = Counters(total=sum(x.end - x.start for x in extents), progress=progress)
     engine.read_through_ring(extents, sink, chunk_size=chunk_size, depth=depth, direct=direct, counters=counters)
     with torch.no_grad():
         for dst, staged in finish:
