@@ -166,6 +166,22 @@ def test_buffer_pool_reuses_and_respects_budget():
         pool.acquire(1 << 20)
 
 
+def test_shared_pools_are_per_process():
+    """A forked child must not inherit a pool whose buffers a parent thread holds (it would wait forever)."""
+    from tierio.io.buffers import shared_pool
+
+    pool = shared_pool("test", 4096)
+    assert shared_pool("test", 4096) is pool
+    held = pool.acquire(4096)  # the whole budget, held by "a parent thread"
+    pid = os.fork()
+    if pid == 0:  # the child gets a fresh pool and its acquire returns at once
+        fresh = shared_pool("test", 4096)
+        os._exit(0 if fresh is not pool and fresh.acquire(4096, timeout=5) else 1)
+    _, status = os.waitpid(pid, 0)
+    pool.release(held)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_token_bucket_limits_long_run_rate():
     tb = TokenBucket(rate=10e6, burst=1e6)
     t0 = time.monotonic()

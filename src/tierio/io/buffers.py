@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import threading
 from dataclasses import dataclass, field
 
@@ -146,3 +147,29 @@ class BufferPool:
         with self._cond:
             self._free.append(buf)
             self._cond.notify_all()
+
+
+_shared: dict[str, BufferPool] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_pool(name: str, budget_bytes: int) -> BufferPool:
+    """The process-wide pool ``name`` (made on first use with ``budget_bytes``), so its buffers are
+    faulted in once per process whatever uses them."""
+    with _shared_lock:
+        pool = _shared.get(name)
+        if pool is None:
+            pool = _shared[name] = BufferPool(budget_bytes=budget_bytes)
+        return pool
+
+
+def _forget_pools_after_fork() -> None:
+    """A forked child (a DataLoader worker) inherits the pools but not the threads that hold their
+    buffers or locks: it starts with none, so its first I/O cannot wait on a parent's thread."""
+    global _shared_lock
+    _shared.clear()
+    _shared_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools_after_fork)

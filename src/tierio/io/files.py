@@ -33,7 +33,7 @@ from tierio.errors import (
     PermissionDeniedError,
     StorageError,
 )
-from tierio.io.buffers import ALIGN, BufferPool, HostBuffer, address_of, align_down, align_up
+from tierio.io.buffers import ALIGN, BufferPool, HostBuffer, address_of, align_down, align_up, shared_pool
 from tierio.io.limiter import TokenBucket
 from tierio.io.stats import IOStats, record
 
@@ -45,15 +45,15 @@ DEFAULT_DEPTH = 8
 
 _executor: ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
-_bounce: BufferPool | None = None
 _warned_dirs: set[str] = set()
 
 
 def _reset_after_fork() -> None:
-    """A forked child (a DataLoader worker) inherits the pool objects but none of their threads,
-    and possibly a lock held by a parent thread: start afresh so its first I/O does not hang."""
-    global _executor, _executor_lock, _bounce
-    _executor, _bounce = None, None
+    """A forked child (a DataLoader worker) inherits the thread pool object but none of its threads,
+    and possibly a lock held by a parent thread: start afresh so its first I/O does not hang.
+    (Buffer pools are reset the same way in io.buffers.)"""
+    global _executor, _executor_lock
+    _executor = None
     _executor_lock = threading.Lock()
 
 
@@ -72,11 +72,7 @@ def executor() -> ThreadPoolExecutor:
 
 def bounce_pool() -> BufferPool:
     """Shared aligned bounce buffers, faulted in once per process and reused."""
-    global _bounce
-    with _executor_lock:
-        if _bounce is None:
-            _bounce = BufferPool(budget_bytes=16 * DEFAULT_CHUNK)
-        return _bounce
+    return shared_pool("bounce", 16 * DEFAULT_CHUNK)
 
 
 def os_error(exc: OSError, path: str | Path, doing: str) -> StorageError:

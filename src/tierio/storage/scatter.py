@@ -11,14 +11,13 @@ the GIL released) while the next windows are in flight.
 from __future__ import annotations
 
 import bisect
-import threading
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from tierio.io.buffers import BufferPool, align_down
+from tierio.io.buffers import BufferPool, align_down, shared_pool
 from tierio.storage.base import Store
 
 MiB = 1 << 20
@@ -27,17 +26,9 @@ DEPTH = 4
 MERGE_GAP = 1 * MiB  # read through holes smaller than this instead of issuing another request
 GRID = 1 * MiB
 
-_pool: BufferPool | None = None
-_pool_lock = threading.Lock()
-
-
 def window_pool() -> BufferPool:
     """DEPTH reusable windows per process, faulted in once (first touch of fresh memory is slow)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = BufferPool(budget_bytes=DEPTH * WINDOW)
-        return _pool
+    return shared_pool("scatter", DEPTH * WINDOW)
 
 
 def _windows(spans: list[tuple[int, memoryview]], window: int) -> list[tuple[int, int]]:

@@ -22,13 +22,12 @@ import ctypes.util
 import errno
 import mmap
 import os
-import threading
 from functools import lru_cache
 
 import numpy as np
 
 from tierio.errors import IntegrityError
-from tierio.io.buffers import ALIGN, BufferPool, align_up
+from tierio.io.buffers import ALIGN, BufferPool, align_up, shared_pool
 
 HUGE = 2 << 20
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
@@ -139,14 +138,6 @@ class FileMapping:
         return torch.frombuffer(self._mm, dtype=torch.uint8)
 
 
-_staging: BufferPool | None = None
-_staging_lock = threading.Lock()
-
-
 def staging_pool() -> BufferPool:
     """The process-wide staging ring (pinned when CUDA exists), bounded by STAGING_BUDGET."""
-    global _staging
-    with _staging_lock:
-        if _staging is None:
-            _staging = BufferPool(budget_bytes=STAGING_BUDGET)
-        return _staging
+    return shared_pool("weights-staging", STAGING_BUDGET)
