@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from tierio.cli.output import console, print_json, print_table
+from tierio.cli.parsers import action_group
 from tierio.errors import ConfigError, NotFoundError
 from tierio.units import human_bytes, human_rate, parse_size
 
@@ -30,15 +31,9 @@ the last 48 hours), all (keep everything); join with + (keep what any keeps) or 
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "ckpt",
-        help="list, inspect, verify, promote and garbage-collect checkpoints on a tier",
-        description="Look after tierio checkpoints on one tier (a directory or an S3 prefix).",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.set_defaults(handler=lambda args: (p.print_help(), 2)[1])
-    cmds = p.add_subparsers(dest="ckpt_command", metavar="ACTION")
+    cmds = action_group(sub, "ckpt", help="list, inspect, verify, promote and garbage-collect checkpoints on a tier",
+                        description="Look after tierio checkpoints on one tier (a directory or an S3 prefix).",
+                        epilog=EXAMPLES)
 
     def action(name: str, help: str, example: str) -> argparse.ArgumentParser:
         a = cmds.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".",

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from tierio.cli.output import print_json, print_table
+from tierio.cli.parsers import action_group
 from tierio.units import human_bytes
 
 EPILOG = """\
@@ -27,15 +28,9 @@ A dataset is named by its prefix: `corpus` means corpus.bin + corpus.idx (Megatr
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
-        "data",
-        help="token datasets: build, inspect, merge, pack",
-        description="Build, inspect, merge and pack Megatron-LM compatible token datasets (.bin/.idx).",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.set_defaults(handler=lambda args: (p.print_help(), 2)[1])
-    ds = p.add_subparsers(dest="data_command", metavar="ACTION")
+    ds = action_group(sub, "data", help="token datasets: build, inspect, merge, pack",
+                      description="Build, inspect, merge and pack Megatron-LM compatible token datasets (.bin/.idx).",
+                      epilog=EPILOG)
 
     b = ds.add_parser("build", help="build a dataset from JSONL token ids, .npy, or text + tokenizer.json",
                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)

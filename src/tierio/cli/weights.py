@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from tierio.cli.output import byte_progress, print_json, print_table
+from tierio.cli.parsers import action_group
 from tierio.errors import ConfigError
 from tierio.units import human_bytes, human_rate, parse_size
 
@@ -124,10 +125,9 @@ def cmd_cache(args) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("weights", help="inspect, cache and load model weights (safetensors)",
-                       description="Load safetensors weights at disk bandwidth; keep a local NVMe cache of remote models.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ws = p.add_subparsers(dest="weights_command", metavar="ACTION")
+    ws = action_group(sub, "weights", help="inspect, cache and load model weights (safetensors)",
+                      description="Load safetensors weights at disk bandwidth; keep a local NVMe cache of remote models.",
+                      epilog=EPILOG)
 
     def common(q, cache: bool = True):
         q.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -163,5 +163,3 @@ def register(sub) -> None:
     q = ws.add_parser("cache", help="list the models in the cache", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     common(q)
     q.set_defaults(handler=cmd_cache)
-
-    p.set_defaults(handler=lambda args: (p.print_help(), 2)[1])
