@@ -95,6 +95,13 @@ def make_model(directory: Path, size: int, shards: int) -> list[Path]:
     return files
 
 
+def _best(rounds: list[tuple[float, float]], nbytes: int) -> dict:
+    """A method's best round: fewest seconds and least CPU (each its own minimum), all rounds' seconds."""
+    secs, cpu = min(r[0] for r in rounds), min(r[1] for r in rounds)
+    return {"seconds": secs, "bytes_per_s": nbytes / secs, "cpu_s_per_gb": cpu / (nbytes / 1e9),
+            "all_seconds": [r[0] for r in rounds]}
+
+
 def _timed(fn, drop_paths) -> tuple[object, float, float]:
     drop_caches(drop_paths)
     t0, c0 = time.perf_counter(), cpu_time()
@@ -119,7 +126,6 @@ def run(args) -> dict:
     try:
         files = make_model(model, size, max(1, args.shards))
         nbytes = sum(f.stat().st_size for f in files)
-        gb = nbytes / 1e9
         res: dict = {"bench": "weights", "model_bytes": nbytes, "shards": len(files), "dir": str(model)}
         os.sync()  # let writeback of the fresh model finish before anything is timed
         from safetensors.torch import load_file
@@ -173,10 +179,7 @@ def run(args) -> dict:
         res["fio_read_all_bytes_per_s"] = fio_runs
 
         def best(name: str) -> dict:
-            secs = min(r[0] for r in runs[name])
-            cpu = min(r[1] for r in runs[name])
-            return {"seconds": secs, "bytes_per_s": nbytes / secs, "cpu_s_per_gb": cpu / gb,
-                    "all_seconds": [r[0] for r in runs[name]]}
+            return _best(runs[name], nbytes)
 
         t = best("tierio")
         res["tierio"] = {**t, "stats": last_stats.to_dict() if last_stats else {}}
@@ -224,7 +227,6 @@ def _bench_s3(work: Path, model: Path, nbytes: int, rounds: int) -> dict:
     from tierio.storage import S3Store, open_store
     from tierio.storage.seaweed import SeaweedServer
 
-    gb = nbytes / 1e9
     runs: dict[str, list[tuple[float, float]]] = {}
     stats: dict[str, dict] = {}
     (work / "seaweed").mkdir(parents=True, exist_ok=True)
@@ -264,11 +266,7 @@ def _bench_s3(work: Path, model: Path, nbytes: int, rounds: int) -> dict:
                 del loaded
                 runs.setdefault(name, []).append((secs, cpu))
         store.close()
-    out: dict = {}
-    for name, r in runs.items():
-        secs, cpu = min(x[0] for x in r), min(x[1] for x in r)
-        out.update({f"{name}_seconds": secs, f"{name}_bytes_per_s": nbytes / secs, f"{name}_cpu_s_per_gb": cpu / gb,
-                    f"{name}_all_seconds": [x[0] for x in r]})
+    out = {f"{name}_{k}": v for name, r in runs.items() for k, v in _best(r, nbytes).items()}
     # The peer's two steps are summed per round (its best round), like tierio's one step.
     out["download_then_load_seconds"] = min(a[0] + b[0] for a, b in zip(runs["download"], runs["local_load"]))
     out.update({f"{k}_stats": v for k, v in stats.items()})
