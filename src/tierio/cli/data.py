@@ -127,7 +127,8 @@ def _pack(args) -> int:
         from tierio.data.shards import write_packed_shards
 
         t1 = time.perf_counter()
-        man = write_packed_shards(PackedDataset(ds, plan), args.shards, shard_size=args.shard_size)
+        packed = PackedDataset(ds, plan, check_source=False)  # the plan was just made from ds
+        man = write_packed_shards(packed, args.shards, shard_size=args.shard_size)
         result.update({"shards_url": args.shards, "shards": len(man.shards), "shard_bytes": man.total_bytes,
                        "shard_seconds": round(time.perf_counter() - t1, 3)})
     _show(f"packed {ds.prefix} into {args.seq_len}-token sequences", result, args.json)

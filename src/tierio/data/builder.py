@@ -198,16 +198,22 @@ def build_indexed(
             w.add_document(arr)
     if narrow_later and max_id < UINT16_VOCAB_LIMIT:
         _narrow_to_uint16(prefix)
+    return _stats(prefix, max_id)
+
+
+def _stats(prefix: str | Path, max_id: int | None) -> BuildStats:
+    """What a build or merge wrote (``max_id`` None: read it from the tokens)."""
     ds = IndexedDataset(prefix)
     try:
-        stats = BuildStats(
+        if max_id is None:
+            max_id = int(ds.flat_tokens().max()) if ds.num_tokens else -1
+        return BuildStats(
             prefix=str(prefix), documents=ds.num_documents, sequences=len(ds), tokens=ds.num_tokens,
             dtype=str(ds.dtype), max_token_id=max_id,
             bin_bytes=bin_path(prefix).stat().st_size, idx_bytes=idx_path(prefix).stat().st_size,
         )
     finally:
         ds.close()
-    return stats
 
 
 def _narrow_to_uint16(prefix: str | Path) -> None:
@@ -249,16 +255,7 @@ def merge_indexed(inputs: list[str | Path], prefix: str | Path) -> BuildStats:
     with IndexedDatasetWriter(prefix, dtype=dt, multimodal=mm) as w:
         for p in prefixes:
             w.add_index(p)
-    ds = IndexedDataset(prefix)
-    try:
-        max_id = int(ds.flat_tokens().max()) if ds.num_tokens else -1
-        return BuildStats(
-            prefix=str(prefix), documents=ds.num_documents, sequences=len(ds), tokens=ds.num_tokens,
-            dtype=str(ds.dtype), max_token_id=max_id,
-            bin_bytes=bin_path(prefix).stat().st_size, idx_bytes=idx_path(prefix).stat().st_size,
-        )
-    finally:
-        ds.close()
+    return _stats(prefix, None)
 
 
 def inspect_indexed(prefix: str | Path) -> dict[str, Any]:

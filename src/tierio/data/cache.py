@@ -92,6 +92,20 @@ def _flock(path: Path, mode: int) -> Iterator[int]:
         release_fd(fd)  # closing releases the lock
 
 
+def local_name(xxh3: str, key: str) -> str:
+    """A cached copy's file name: content hash first, so a changed object never matches."""
+    return f"{xxh3}-{key.replace('/', '__')}"
+
+
+def check_fits(info: ShardInfo, limit: int, of: str = "") -> None:
+    """A cache of ``limit`` bytes must hold at least this shard (``of``: the dataset, for the message)."""
+    if info.size > limit:
+        raise ConfigError(
+            f"cache_limit {limit} bytes is smaller than shard {info.key} ({info.size} bytes){' of ' + of if of else ''}: "
+            f"raise cache_limit to at least a few shards (e.g. {4 * info.size} bytes)"
+        )
+
+
 class ShardCache:
     def __init__(self, store: Store, cache_dir: str | Path, limit: int, *, wait_timeout: float = 60.0) -> None:
         self.store = store
@@ -110,17 +124,13 @@ class ShardCache:
         self.misses = 0
 
     def name(self, info: ShardInfo) -> str:
-        return f"{info.xxh3}-{info.key.replace('/', '__')}"
+        return local_name(info.xxh3, info.key)
 
     def path(self, info: ShardInfo) -> Path:
         return self.dir / self.name(info)
 
     def check_fits(self, info: ShardInfo) -> None:
-        if info.size > self.limit:
-            raise ConfigError(
-                f"cache_limit {self.limit} bytes is smaller than shard {info.key} ({info.size} bytes): "
-                f"raise cache_limit to at least a few shards (e.g. {4 * info.size} bytes)"
-            )
+        check_fits(info, self.limit)
 
     # -- the public operation ------------------------------------------------------------
     def ensure(self, info: ShardInfo) -> Path:

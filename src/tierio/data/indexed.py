@@ -195,7 +195,6 @@ class IndexedDatasetWriter:
         self._docs.append(0)
         self._modes = _Growable(np.int8) if multimodal else None
         self.tokens = 0
-        self.checksum = StreamingChecksum()
         self._done = False
 
     # -- adding data ---------------------------------------------------------------------
@@ -270,7 +269,6 @@ class IndexedDatasetWriter:
             self._f.write(data)
         except OSError as exc:
             raise os_error(exc, self._bin_tmp, "writing") from exc
-        self.checksum.update(data)
         self.tokens += len(arr)
 
     # -- finishing -----------------------------------------------------------------------

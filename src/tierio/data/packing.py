@@ -420,20 +420,23 @@ class PackedDataset:
     def __len__(self) -> int:
         return len(self.plan)
 
-    def pack_tokens(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """(concatenated tokens, per-document lengths) of pack ``i`` in the dataset's dtype."""
+    def _documents(self, i: int) -> tuple[list[np.ndarray], np.ndarray]:
+        """Zero-copy views of pack ``i``'s documents, and their lengths."""
         if not 0 <= i < len(self):
             raise IndexError(f"pack {i} out of range for {len(self)} packs")
         ids, lens = self.plan.pack(i)
         flat = self.dataset.flat_tokens()
-        starts = self._doc_offsets[ids]
-        if len(ids) == 1:
-            return np.asarray(flat[starts[0] : starts[0] + lens[0]]), lens.astype(np.int32)
-        return np.concatenate([flat[s : s + n] for s, n in zip(starts.tolist(), lens.tolist())]), lens.astype(np.int32)
+        return [flat[s : s + n] for s, n in zip(self._doc_offsets[ids].tolist(), lens.tolist())], lens
+
+    def pack_tokens(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(concatenated tokens, per-document lengths) of pack ``i`` in the dataset's dtype."""
+        docs, lens = self._documents(i)
+        tokens = np.asarray(docs[0]) if len(docs) == 1 else np.concatenate(docs)
+        return tokens, lens.astype(np.int32)
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray | int]:
-        tokens, lens = self.pack_tokens(i)
-        return pack_from_tokens(tokens, lens, self.plan.seq_len, self.pad_id)
+        docs, _ = self._documents(i)  # copied once, straight into the padded sample
+        return build_pack(docs, self.plan.seq_len, self.pad_id)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray | int]]:
         for i in range(len(self)):

@@ -124,9 +124,6 @@ class Manifest:
     def max_shard_size(self) -> int:
         return max((s.size for s in self.shards), default=0)
 
-    def first_samples(self) -> np.ndarray:
-        return np.asarray([s.first_sample for s in self.shards] + [self.num_samples], dtype=np.int64)
-
 
 def load_manifest(store_or_url: Store | str | Path, where: str | None = None) -> Manifest:
     store = _store(store_or_url)

@@ -29,11 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from tierio.errors import ConfigError, FormatError, NotFoundError
-from tierio.io.checksum import xxh3
+from tierio.errors import ConfigError, FormatError, IntegrityError, NotFoundError
+from tierio.io.durable import temp_name
 from tierio.storage.base import Store, read_bytes
 from tierio.units import parse_size
-from tierio.data.cache import ShardCache, release_fd
+from tierio.data.cache import ShardCache, check_fits, local_name, release_fd
 from tierio.data.shards import Manifest, ShardFile, ShardInfo, load_manifest, parse_index
 
 log = logging.getLogger(__name__)
@@ -193,12 +193,8 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         if self.cache_dir is None:
             if not isinstance(self.store, LocalStore):
                 raise ConfigError(f"{self.url} is remote: pass cache_dir (a local NVMe directory) to stream it")
-        elif self.manifest.max_shard_size > self.cache_limit:
-            big = max(self.manifest.shards, key=lambda s: s.size)
-            raise ConfigError(
-                f"cache_limit {self.cache_limit} bytes is smaller than shard {big.key} ({big.size} bytes) of {self.url}: "
-                f"raise cache_limit to at least a few shards (e.g. {4 * big.size} bytes)"
-            )
+        elif self.manifest.shards:
+            check_fits(max(self.manifest.shards, key=lambda s: s.size), self.cache_limit, of=self.url)
         self.samples_per_rank = self.manifest.num_samples // world_size
         self._counts = np.asarray([s.samples for s in self.manifest.shards], dtype=np.int64)
         # position bookkeeping: what the next __iter__ will produce, and what this process consumed
@@ -265,25 +261,27 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         if idx is None:
             info = self.manifest.shards[shard]
             where = f"{self.url}/{info.index_key}"
-            raw = None
-            cached = self.cache_dir / f"{info.index_xxh3}-{info.index_key.replace('/', '__')}" if self.cache_dir else None
+            nfields = len(self.manifest.fields)
+            cached = self.cache_dir / local_name(info.index_xxh3, info.index_key) if self.cache_dir else None
+            idx = None
             if cached is not None and cached.exists():
-                raw = cached.read_bytes()
-                if xxh3(raw) != info.index_xxh3:
-                    raw = None
-            if raw is None:
+                try:
+                    idx = parse_index(cached.read_bytes(), info, nfields, str(cached))
+                except (IntegrityError, FormatError):
+                    idx = None  # a damaged cached copy: fetch it again
+            if idx is None:
                 try:
                     raw = read_bytes(self.store, info.index_key)
                 except NotFoundError:
                     raise NotFoundError(f"{where} is listed in the manifest but missing on the store; re-upload the dataset") from None
-                if cached is not None and xxh3(raw) == info.index_xxh3:
-                    tmp = cached.with_name(f".{cached.name}.tmp-{id(self):x}")
+                idx = parse_index(raw, info, nfields, where)
+                if cached is not None:
+                    tmp = temp_name(cached)
                     try:
                         tmp.write_bytes(raw)
                         tmp.replace(cached)
                     except OSError:
                         tmp.unlink(missing_ok=True)  # the index is tiny; caching it is optional
-            idx = parse_index(raw, info, len(self.manifest.fields), where)
             self._indexes[shard] = idx
         return idx
 

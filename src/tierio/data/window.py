@@ -71,7 +71,7 @@ class TokenWindowDataset:
                 return RingRef(slot, len(idx))
         t = batch_tensor((len(idx), self.seq_len + 1))
         self._fill(t.numpy(), starts)
-        return {"input_ids": t[:, :-1], "labels": t[:, 1:]}
+        return window_batch(t)
 
     def _fill(self, rows: np.ndarray, starts: np.ndarray) -> None:
         L = self.seq_len + 1
@@ -138,5 +138,4 @@ def collate_windows(batch: Any) -> Any:
     if isinstance(batch, (dict, RingRef)):
         return batch
     rows = np.stack([np.concatenate([x, y[-1:]]) for x, y in batch]).astype(np.int64)
-    t = torch.from_numpy(rows)
-    return {"input_ids": t[:, :-1], "labels": t[:, 1:]}
+    return window_batch(torch.from_numpy(rows))
