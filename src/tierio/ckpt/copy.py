@@ -6,15 +6,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tierio.errors import IntegrityError
+from tierio.errors import IntegrityError, NotFoundError
 from tierio.format.manifest import RankEntry
-from tierio.format.shard import MANIFEST, step_dir
+from tierio.format.shard import manifest_key, step_dir
 from tierio.io.buffers import HostBuffer
 from tierio.io.checksum import xxh3
 from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Store
 
-from tierio.ckpt.reader import read_manifest, read_manifest_bytes, where
+from tierio.ckpt.reader import read_manifest_raw, where
 
 
 @dataclass
@@ -70,22 +70,23 @@ def copy_shard(src: Store, dst: Store, step: int, entry: RankEntry, slot: Buffer
 
 def shards_present(dst: Store, step: int, entries: list[RankEntry]) -> bool:
     for e in entries:
-        key = f"{step_dir(step)}/{e.file}"
-        if not dst.exists(key) or dst.stat(key).size != e.bytes:
+        try:
+            if dst.stat(f"{step_dir(step)}/{e.file}").size != e.bytes:
+                return False
+        except NotFoundError:
             return False
     return True
 
 
-def commit_copy(src: Store, dst: Store, step: int) -> None:
-    """Put the manifest (the same bytes as on ``src``) on ``dst``: the copy becomes a checkpoint."""
-    raw = read_manifest_bytes(src, step)
-    dst.put_buffers(f"{step_dir(step)}/{MANIFEST}", [raw])
+def commit_copy(dst: Store, step: int, manifest: bytes) -> None:
+    """Put the manifest (the same bytes as on the source) on ``dst``: the copy becomes a checkpoint."""
+    dst.put_buffers(manifest_key(step), [manifest])
 
 
 def copy_step(src: Store, dst: Store, step: int, *, limiter: TokenBucket | None = None,
               slot: BufferSlot | None = None, progress: Callable[[str], None] | None = None) -> CopyStats:
     """Promote every rank's shard of ``step`` from ``src`` to ``dst``, then the manifest."""
-    man = read_manifest(src, step)
+    raw, man = read_manifest_raw(src, step)
     slot = slot or BufferSlot()
     stats = CopyStats()
     for entry in man.ranks:
@@ -94,6 +95,6 @@ def copy_step(src: Store, dst: Store, step: int, *, limiter: TokenBucket | None 
             progress(entry.file)
     if not shards_present(dst, step, man.ranks):
         raise IntegrityError(f"after copying step {step} to {dst.url}, some shards are missing there; not committing")
-    commit_copy(src, dst, step)
+    commit_copy(dst, step, raw)
     stats.files += 1
     return stats

@@ -53,9 +53,12 @@ from tierio.units import human_bytes, parse_size
 from tierio.ckpt.copy import BufferSlot, CopyStats, commit_copy, copy_shard, shards_present
 from tierio.ckpt.reader import (
     VerifyReport,
+    commit_times,
+    committed_in,
     committed_steps,
     load_rank,
     read_manifest,
+    read_manifest_raw,
     step_dirs,
     verify_copy,
     where,
@@ -495,9 +498,13 @@ class CheckpointManager:
 
         def all_there() -> bool:
             for r in range(self.world_size):
-                if entries[r] is None and store.exists(fragment_key(step, r)):
+                if entries[r] is None:
                     key = fragment_key(step, r)
-                    entries[r] = parse_fragment(read_bytes(store, key), where(store, key), step, self.world_size)
+                    try:
+                        raw = read_bytes(store, key)
+                    except NotFoundError:
+                        continue  # that rank's shard is not durable yet
+                    entries[r] = parse_fragment(raw, where(store, key), step, self.world_size)
             return all(e is not None for e in entries)
 
         self._await(all_there, f"every rank's shard of step {step} on {store.url}")
@@ -567,7 +574,7 @@ class CheckpointManager:
                 break
         if src is None:
             raise NotFoundError(f"step {step} has no committed copy on any tier; nothing to promote")
-        man = read_manifest(src.store, step)
+        raw, man = read_manifest_raw(src.store, step)
         entry = man.ranks[self.rank]
         for dst in self._tiers[self._tiers.index(src) + 1 :]:
             if dst.store.exists(manifest_key(step)):
@@ -576,7 +583,7 @@ class CheckpointManager:
             self._account(dst, stats.bytes, stats.seconds)
             if self.rank == 0:
                 self._await(lambda: shards_present(dst.store, step, man.ranks), f"every rank's shard of step {step} on {dst.url}")
-                commit_copy(src.store, dst.store, step)
+                commit_copy(dst.store, step, raw)
             else:
                 self._await(lambda: dst.store.exists(manifest_key(step)), f"rank 0 to commit step {step} on {dst.url}")
 
@@ -612,14 +619,15 @@ class CheckpointManager:
     def _gc(self) -> list[tuple[str, int]]:
         with self._gc_lock:
             held: list[dict[int, float]] = []
+            listed: list[dict[int, list[str]]] = []
             for ts in self._tiers:
-                steps = {}
                 try:
-                    for s in committed_steps(ts.store):
-                        steps[s] = ts.store.stat(manifest_key(s)).mtime
+                    dirs = step_dirs(ts.store)
+                    steps = commit_times(ts.store, committed_in(dirs))
                 except StorageError as exc:
                     log.warning("retention skipped %s: %s", ts.url, exc)
-                    steps = {}
+                    dirs, steps = {}, {}
+                listed.append(dirs)
                 held.append(steps)
             with self._lock:
                 protected = set(self._inflight) | set(self._pending)
@@ -635,11 +643,11 @@ class CheckpointManager:
                 delete_step(self._tiers[i].store, step)
                 deleted.append((self._tiers[i].url, step))
             # Directories of steps older than the newest commit that never got a manifest are garbage.
-            for ts, steps in zip(self._tiers, held):
+            for ts, steps, dirs in zip(self._tiers, held, listed):
                 if not steps:
                     continue
                 try:
-                    for s, keys in step_dirs(ts.store).items():
+                    for s, keys in dirs.items():
                         if s < max(steps) and s not in steps and s not in protected:
                             delete_step(ts.store, s, keys)
                 except StorageError:

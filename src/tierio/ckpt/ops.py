@@ -22,7 +22,7 @@ from tierio.storage.url import open_store
 from tierio.units import parse_size
 
 from tierio.ckpt.copy import CopyStats, copy_step
-from tierio.ckpt.reader import VerifyReport, committed_steps, read_manifest, step_dirs, verify_copy
+from tierio.ckpt.reader import VerifyReport, commit_times, committed_steps, read_manifest, step_dirs, verify_copy
 from tierio.ckpt.retention import Retention, gc_plan, parse_retention
 
 
@@ -107,7 +107,7 @@ def gc(url: str | Path | Store, retention: Retention | str, *, min_keep: int = 3
 
     store = _store(url)
     policy = parse_retention(retention) if isinstance(retention, str) else retention
-    held = {s: store.stat(manifest_key(s)).mtime for s in committed_steps(store)}
+    held = commit_times(store, committed_steps(store))
     plan = gc_plan([held], [policy], min_keep=min_keep, names=[store.url])
     steps = [s for _, s in plan.delete]
     if not dry_run:

@@ -15,11 +15,12 @@ from typing import Any
 import torch
 
 from tierio.errors import ConfigError, FormatError, IntegrityError, NotFoundError, StorageError, TierioError
-from tierio.format.manifest import MAX_MANIFEST_BYTES, ChunkInfo, Manifest, RankEntry, TensorInfo, parse_manifest
-from tierio.format.safetensors import header_length, parse_header, torch_dtype
-from tierio.format.shard import MANIFEST, parse_step_dir, step_dir
+from tierio.format.manifest import MAX_MANIFEST_BYTES, Manifest, RankEntry, TensorInfo, parse_manifest
+from tierio.format.safetensors import read_header_from, torch_dtype
+from tierio.format.shard import manifest_key, parse_step_dir, step_dir
 from tierio.format.statetree import unflatten
 from tierio.io.buffers import HostBuffer
+from tierio.io.checksum import verify as verify_checksum
 from tierio.io.checksum import xxh3
 from tierio.storage.base import Store, read_bytes
 from tierio.storage.scatter import read_scatter
@@ -32,20 +33,8 @@ def where(store: Store, key: str) -> str:
     return f"{store.url.split('?')[0].rstrip('/')}/{key}"
 
 
-def committed_steps(store: Store) -> list[int]:
-    """Steps with a manifest on ``store`` (a directory without one is garbage, never listed)."""
-    steps = []
-    for key in store.list("step_"):
-        parts = key.split("/")
-        if len(parts) == 2 and parts[1] == MANIFEST:
-            s = parse_step_dir(parts[0])
-            if s is not None:
-                steps.append(s)
-    return sorted(steps)
-
-
 def step_dirs(store: Store) -> dict[int, list[str]]:
-    """Every step directory on ``store`` (committed or not) with its keys."""
+    """Every step directory on ``store`` (committed or not) with its keys: one listing."""
     out: dict[int, list[str]] = {}
     for key in store.list("step_"):
         s = parse_step_dir(key.split("/", 1)[0])
@@ -54,17 +43,37 @@ def step_dirs(store: Store) -> dict[int, list[str]]:
     return out
 
 
+def committed_in(dirs: dict[int, list[str]]) -> list[int]:
+    """The steps of a ``step_dirs`` listing that hold a manifest (the others are garbage)."""
+    return sorted(s for s, keys in dirs.items() if manifest_key(s) in keys)
+
+
+def committed_steps(store: Store) -> list[int]:
+    """Steps with a manifest on ``store`` (a directory without one is garbage, never listed)."""
+    return committed_in(step_dirs(store))
+
+
+def commit_times(store: Store, steps: list[int]) -> dict[int, float]:
+    """When each step was committed (its manifest's mtime), as retention wants them."""
+    return {s: store.stat(manifest_key(s)).mtime for s in steps}
+
+
 def read_manifest_bytes(store: Store, step: int) -> bytes:
-    key = f"{step_dir(step)}/{MANIFEST}"
+    key = manifest_key(step)
     size = store.stat(key).size
     if size > MAX_MANIFEST_BYTES:
         raise FormatError(f"{where(store, key)} is {size} bytes, above the {MAX_MANIFEST_BYTES}-byte limit; it is corrupt or hostile")
     return read_bytes(store, key, 0, size)
 
 
+def read_manifest_raw(store: Store, step: int) -> tuple[bytes, Manifest]:
+    """The manifest's bytes (to copy them unchanged) and what they say."""
+    raw = read_manifest_bytes(store, step)
+    return raw, parse_manifest(raw, where(store, manifest_key(step)), expect_step=step)
+
+
 def read_manifest(store: Store, step: int) -> Manifest:
-    key = f"{step_dir(step)}/{MANIFEST}"
-    return parse_manifest(read_manifest_bytes(store, step), where(store, key), expect_step=step)
+    return read_manifest_raw(store, step)[1]
 
 
 def check_shard(store: Store, step: int, entry: RankEntry) -> None:
@@ -74,8 +83,7 @@ def check_shard(store: Store, step: int, entry: RankEntry) -> None:
     size = store.stat(key).size
     if size != entry.bytes:
         raise IntegrityError(f"{w} is {size} bytes but the manifest records {entry.bytes}: the file is truncated or was replaced")
-    n = header_length(read_bytes(store, key, 0, 8), size, w)
-    header = parse_header(read_bytes(store, key, 8, n), size, w)
+    header = read_header_from(lambda offset, n: read_bytes(store, key, offset, n), size, w)
     for t in entry.tensors.values():
         e = header.tensors.get(t.name)
         if e is None or e.dtype != t.dtype:
@@ -155,12 +163,8 @@ def load_rank(store: Store, manifest: Manifest, rank: int, into: Any = None, *, 
             info = entry.tensors[name]
             start = info.chunks[0].begin
             for i, c in enumerate(info.chunks):
-                got = xxh3(views[name][c.begin - start : c.end - start])
-                if got != c.xxh3:
-                    raise IntegrityError(
-                        f"checksum mismatch in {w}, tensor {name!r} chunk {i} (bytes {c.begin}..{c.end}): "
-                        f"expected xxh3 {c.xxh3}, got {got}; this copy is corrupt"
-                    )
+                verify_checksum(views[name][c.begin - start : c.end - start], c.xxh3,
+                                f"{w}, tensor {name!r} chunk {i} (bytes {c.begin}..{c.end})")
 
     # Pass 3: build the state; tied tensors come back as one object.
     made: dict[str, torch.Tensor] = {}
@@ -236,7 +240,7 @@ class VerifyReport:
 def verify_copy(store: Store, step: int, report: VerifyReport, chunk_buf_bytes: int = 64 << 20) -> None:
     """Check one store's copy of ``step`` byte for byte; problems are added to ``report``."""
     tier = store.url
-    mkey = f"{step_dir(step)}/{MANIFEST}"
+    mkey = manifest_key(step)
     before = len(report.problems)
     try:
         if not store.exists(mkey):
@@ -279,6 +283,3 @@ def verify_copy(store: Store, step: int, report: VerifyReport, chunk_buf_bytes: 
                     report.problems.append(Problem(tier, key, cname, str(exc)))
     report.copies[tier] = "bad" if len(report.problems) > before else "ok"
 
-
-def chunk_checksums(view: memoryview, chunks: list[ChunkInfo]) -> list[str]:
-    return [xxh3(view[c.begin : c.end]) for c in chunks]

@@ -221,12 +221,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from tierio.ckpt import verify
-    from tierio.ckpt.reader import committed_steps, step_dirs
+    from tierio.ckpt.reader import step_dirs
 
     reports = []
     with _store(args.url) as store:
         if args.all:
-            steps = sorted(set(committed_steps(store)) | set(step_dirs(store)))
+            steps = sorted(step_dirs(store))  # committed or not: a directory without a manifest is flagged
             if not steps:
                 raise NotFoundError(f"no checkpoint in {args.url}")
         else:
@@ -295,20 +295,20 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     from tierio.ckpt.manager import delete_step
-    from tierio.ckpt.reader import committed_steps, step_dirs
+    from tierio.ckpt.reader import commit_times, committed_in, step_dirs
     from tierio.ckpt.retention import gc_plan, parse_retention
-    from tierio.format.shard import manifest_key
 
     policy = parse_retention(args.keep)
     if args.min_keep < 0:
         raise ConfigError("--min-keep must be >= 0")
     with _store(args.url) as store:
-        held = {s: store.stat(manifest_key(s)).mtime for s in committed_steps(store)}
+        dirs = step_dirs(store)
+        held = commit_times(store, committed_in(dirs))
         plan = gc_plan([held], [policy], min_keep=args.min_keep, names=[args.url])
         doomed = [step for _, step in plan.delete]
         # Directories without a manifest, older than the newest commit, are debris of dead saves.
         newest = max(held, default=-1)
-        partial = [s for s in step_dirs(store) if s not in held and s < newest]
+        partial = [s for s in dirs if s not in held and s < newest]
         if not args.dry_run:
             for step in doomed:
                 delete_step(store, step)
