@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -54,11 +53,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # -- helpers -------------------------------------------------------------------------------------
-
-
-def drop_caches(path: Path) -> None:
-    """Evict every file under ``path`` from the page cache (and the whole cache as root)."""
-    common.drop_caches([path])
 
 
 # -- the state -----------------------------------------------------------------------------------
@@ -123,23 +117,20 @@ def _tierio(state: dict[str, Any], root: Path, repeat: int, floor: _MemcpyFloor)
         for i in range(repeat + 1):  # save 0 allocates and faults the staging buffers: warm-up
             step = i + 1
             state["step"] = step
-            staged_at: list[float] = []
             if i > 0:
                 floor()
             t0 = time.perf_counter()
             h = mgr.save(step, state)
-            t1 = time.perf_counter()
-            h.staged.add_done_callback(lambda _f: staged_at.append(time.perf_counter()))
+            t1 = time.perf_counter()  # save() returns once staged: the rest is the background write
             h.persisted.result()
             t2 = time.perf_counter()
-            staged = staged_at[0] if staged_at else t1
             if i == 0:
                 out["first_save_blocking_s"] = t1 - t0
                 continue
             walls.append(t1 - t0)
-            blocking.append(getattr(h, "blocking_seconds", None) or (t1 - t0))
+            blocking.append(h.blocking_seconds)
             persist.append(t2 - t0)
-            write.append(t2 - max(staged, t0))
+            write.append(t2 - t1)
         mgr.wait()
         out["blocking_s"] = statistics.median(blocking)
         out["blocking_wall_s"] = statistics.median(walls)
@@ -147,17 +138,13 @@ def _tierio(state: dict[str, Any], root: Path, repeat: int, floor: _MemcpyFloor)
         out["write_s"] = statistics.median(write)
         step = repeat + 1
         for label, into in (("restore_into_s", state), ("restore_alloc_s", None)):
-            drop_caches(root)
+            common.drop_caches([root])
             t0 = time.perf_counter()
             got = mgr.restore(step=step, into=into)
             out[label] = time.perf_counter() - t0
             if into is None:
                 del got
-        if hasattr(mgr, "stats"):
-            try:
-                out["manager_stats"] = json.loads(json.dumps(mgr.stats(), default=str))
-            except (TypeError, ValueError):
-                pass
+        out["manager_stats"] = json.loads(json.dumps(mgr.stats(), default=str))
     return out
 
 
@@ -182,7 +169,7 @@ def _dcp_runs(dcp: Any, state: dict[str, Any], root: Path) -> dict[str, Any]:
         if i == 0:
             shutil.rmtree(path)
     out["save_s"] = min(saves)
-    drop_caches(root)
+    common.drop_caches([root])
     t0 = time.perf_counter()
     dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(root / "save1")), no_dist=True)
     out["load_s"] = time.perf_counter() - t0
@@ -205,19 +192,6 @@ def _dcp_runs(dcp: Any, state: dict[str, Any], root: Path) -> dict[str, Any]:
         del writer
     out["async_blocking_s"] = min(v for k, v in out.items() if k.startswith("async_blocking_s_"))
     return out
-
-
-def _torch_save(state: dict[str, Any], root: Path) -> float:
-    root.mkdir(parents=True, exist_ok=True)
-    path = root / "state.pt"
-    t0 = time.perf_counter()
-    with open(path, "wb") as f:
-        torch.save(state["tensors"], f)
-        f.flush()
-        os.fsync(f.fileno())
-    dt = time.perf_counter() - t0
-    path.unlink()
-    return dt
 
 
 def _rss_child(size: int, tensors: int, root: str) -> dict[str, Any]:
@@ -280,7 +254,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         dcp_r = _dcp(state, work / "dcp")
         shutil.rmtree(work / "dcp", ignore_errors=True)
         log("torch.save + fsync")
-        torch_save_s = _torch_save(state, work / "torch")
+        torch_save_s = common.timed_torch_save(state["tensors"], work / "torch")
     finally:
         if not getattr(args, "keep", False):
             shutil.rmtree(work, ignore_errors=True)

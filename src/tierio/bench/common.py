@@ -137,3 +137,23 @@ def check_targets(ratios: dict[str, float], targets: dict[str, tuple[str, float]
 
 def machine_facts() -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "kernel": os.uname().release}
+
+
+def timed_torch_save(obj: Any, directory: str | Path) -> float:
+    """Seconds for the synchronous baseline everyone starts from: torch.save + fsync (the file is removed)."""
+    import uuid
+
+    import torch
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f".sync-save-{uuid.uuid4().hex[:8]}.pt"
+    t0 = time.perf_counter()
+    try:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        return time.perf_counter() - t0
+    finally:
+        path.unlink(missing_ok=True)

@@ -139,6 +139,7 @@ class CheckpointManager:
         self.min_keep = min_keep
         self.commit_timeout = commit_timeout
         self.restored_step: int | None = None
+        self.restored_from: str | None = None  # the tier URL the last restore read
 
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -235,7 +236,7 @@ class CheckpointManager:
                             "restore with the same world size (resharding is not supported yet)"
                         )
                     state = load_rank(ts.store, man, self.rank, into)
-                    self.restored_step = s
+                    self.restored_step, self.restored_from = s, ts.url
                     if failures:
                         log.warning("restored step %d from %s after: %s", s, ts.url, "; ".join(failures))
                     return state

@@ -19,7 +19,6 @@ Timeline of one run:
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import statistics
 import time
@@ -31,6 +30,7 @@ from urllib.parse import urlparse, urlunparse
 
 import torch
 
+from tierio.bench.common import timed_torch_save
 from tierio.demo.data import markov_tokens
 from tierio.demo.model import GPTConfig
 from tierio.demo.train import TrainConfig, Trainer
@@ -67,7 +67,6 @@ class DemoConfig:
 class SaveRecord:
     step: int
     blocking_s: float
-    staged_at: float | None = None
     persisted_at: float | None = None
     promoted_at: float | None = None
     started_at: float = 0.0
@@ -171,13 +170,14 @@ def _preflight(urls: list[str]) -> None:
 
 def _held_bytes(url: str) -> tuple[int, int]:
     """(checkpoint count, bytes) a tier holds now."""
+    from tierio.ckpt.reader import committed_in, step_dirs
     from tierio.storage import open_store
 
     store = open_store(url)
     try:
-        keys = store.list("")
-        steps = {k.split("/", 1)[0] for k in keys if k.endswith("/manifest.json")}
-        return len(steps), sum(store.stat(k).size for k in keys if k.split("/", 1)[0] in steps)
+        dirs = step_dirs(store)
+        steps = committed_in(dirs)
+        return len(steps), sum(store.stat(k).size for s in steps for k in dirs[s])
     finally:
         store.close()
 
@@ -207,34 +207,10 @@ def _state_bytes(state: Any) -> int:
     return total
 
 
-def measure_sync_save(state: Any, directory: Path) -> float:
-    """Seconds for the synchronous baseline: torch.save of the same state + fsync."""
-    path = directory / f".sync-save-{uuid.uuid4().hex[:8]}.pt"
-    directory.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    try:
-        with open(path, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        return time.perf_counter() - t0
-    finally:
-        path.unlink(missing_ok=True)
-
-
 def _watch(record: SaveRecord, handle: Any) -> None:
-    """Record when each stage of a save completes (the handle's futures call back)."""
-
-    def on(attr: str):
-        def cb(_fut: Any) -> None:
-            setattr(record, attr, time.perf_counter())
-
-        return cb
-
-    for stage in ("staged", "persisted", "promoted"):
-        fut = getattr(handle, stage, None)
-        if fut is not None and hasattr(fut, "add_done_callback"):
-            fut.add_done_callback(on(f"{stage}_at"))
+    """Record when a save is persisted and promoted (the handle's futures call back)."""
+    for stage in ("persisted", "promoted"):
+        getattr(handle, stage).add_done_callback(lambda _f, attr=f"{stage}_at": setattr(record, attr, time.perf_counter()))
 
 
 # -- the run -------------------------------------------------------------------------------------
@@ -335,10 +311,10 @@ def _run(cfg: DemoConfig, directory: Path, progress: Progress) -> DemoReport:
     progress("drain", {})
     mgr.wait()  # every checkpoint committed on every tier (promotion runs in the background)
     promotion_errors = [f"step {h.step}: {h.promoted.exception()}" for h in handles if h.promoted.exception()]
-    manager_stats = _jsonable(mgr.stats()) if hasattr(mgr, "stats") else {}
+    manager_stats = _jsonable(mgr.stats())
     state_bytes = _state_bytes(trainer.state())
     progress("sync_save", {"state_bytes": state_bytes})
-    sync_save_s = measure_sync_save(trainer.state(), directory / TIER_NAMES[0])
+    sync_save_s = timed_torch_save(trainer.state(), directory / TIER_NAMES[0])
     held_before = [_held_bytes(u) for u in urls]
     mgr.close()
     del trainer
@@ -353,7 +329,7 @@ def _run(cfg: DemoConfig, directory: Path, progress: Progress) -> DemoReport:
         t0 = time.perf_counter()
         tree = mgr2.restore()
         restore_s = time.perf_counter() - t0
-        restored_from = _restored_from(mgr2, urls, int(tree["step"]))
+        restored_from = urls[mgr2.tiers.index(mgr2.restored_from)]  # the tier as the demo named it
     if cfg._fault == "perturb":
         tree["model"]["blocks.0.fc.weight"].view(-1)[0] += 0.01
     resumed.load_state(tree, restore_rng=cfg._fault != "skip-rng", restore_data=cfg._fault != "skip-data")
@@ -377,7 +353,7 @@ def _run(cfg: DemoConfig, directory: Path, progress: Progress) -> DemoReport:
         row: dict[str, Any] = {"tier": i + 2, "role": TIER_NAMES[i], "url": url, "checkpoints": count,
                                "bytes_held": held}
         tiers.append(row)
-    _merge_tier_stats(tiers, manager_stats, saves, state_bytes)
+    _merge_tier_stats(tiers, manager_stats)
     blocking = [r.blocking_s for r in saves]
     steady = blocking[1:] or blocking
     return DemoReport(
@@ -409,52 +385,13 @@ def _run(cfg: DemoConfig, directory: Path, progress: Progress) -> DemoReport:
     )
 
 
-def _restored_from(mgr: Any, urls: list[str], step: int) -> str:
-    """Which tier the restore read: the manager says so when it can; else the fastest holding it."""
-    for attr in ("restored_from", "last_restore", "last_restored_from"):
-        info = getattr(mgr, attr, None)
-        if isinstance(info, str):
-            return info
-        if info is not None and getattr(info, "url", None):
-            return str(info.url)
-    for url in urls:
-        try:
-            from tierio.storage import open_store
-
-            store = open_store(url)
-            try:
-                if store.exists(f"step_{step:09d}/manifest.json"):
-                    return url
-            finally:
-                store.close()
-        except Exception:
-            continue
-    return "unknown"
-
-
-def _merge_tier_stats(tiers: list[dict[str, Any]], stats: dict[str, Any], saves: list[SaveRecord],
-                      state_bytes: int) -> None:
-    """Bytes written and bandwidth per tier, from the manager's counters where it keeps them."""
-    per_tier = stats.get("tiers") if isinstance(stats, dict) else None
-    if isinstance(per_tier, list) and len(per_tier) == len(tiers):
-        for row, st in zip(tiers, per_tier):
-            if not isinstance(st, dict):
-                continue
-            written = st.get("bytes_written", st.get("bytes"))
-            seconds = st.get("write_seconds", st.get("seconds"))
-            if written is not None:
-                row["bytes_written"] = int(written)
-            if written and seconds:
-                row["write_seconds"] = float(seconds)
-                row["bandwidth"] = float(written) / float(seconds)
-        return
-    # Fallback: time from the handles' futures (local tier: save -> persisted).
-    persisted = [r for r in saves if r.persisted_at and r.staged_at]
-    if persisted:
-        secs = sum(r.persisted_at - r.staged_at for r in persisted)
-        tiers[0]["bytes_written"] = state_bytes * len(persisted)
-        tiers[0]["write_seconds"] = secs
-        tiers[0]["bandwidth"] = state_bytes * len(persisted) / secs if secs > 0 else None
+def _merge_tier_stats(tiers: list[dict[str, Any]], stats: dict[str, Any]) -> None:
+    """Bytes written and bandwidth per tier, from the manager's counters."""
+    for row, st in zip(tiers, stats["tiers"]):
+        row["bytes_written"] = int(st["bytes_written"])
+        if st["bytes_written"] and st["seconds"]:
+            row["write_seconds"] = float(st["seconds"])
+            row["bandwidth"] = st["bytes_written"] / st["seconds"]
 
 
 def _jsonable(x: Any) -> Any:
@@ -464,4 +401,4 @@ def _jsonable(x: Any) -> Any:
         return {}
 
 
-__all__ = ["DemoConfig", "DemoReport", "PRESETS", "run_demo", "measure_sync_save"]
+__all__ = ["DemoConfig", "DemoReport", "PRESETS", "run_demo"]
