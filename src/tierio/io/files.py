@@ -112,7 +112,8 @@ def open_file(path: str | Path, write: bool, direct: bool) -> tuple[int, bool]:
         raise os_error(exc, path, doing) from exc
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int, path: str | Path) -> None:
+def pwrite_all(fd: int, view: memoryview, offset: int, path: str | Path) -> None:
+    """Write all of ``view`` at ``offset`` (short writes continue; a zero-byte write means the disk is full)."""
     while len(view):
         try:
             n = os.pwrite(fd, view, offset)
@@ -173,7 +174,7 @@ class FileWriter:
             self._reap_one()
         if self.limiter is not None:
             self.limiter.consume(len(view))
-        fut = executor().submit(_pwrite_all, self.fd, view, offset, self.path)
+        fut = executor().submit(pwrite_all, self.fd, view, offset, self.path)
         self._inflight.append((fut, owned))
         self._requests += 1
 
@@ -424,7 +425,7 @@ def _copy_chunk(src_fd, dst_fd, src, dst, off, n, direct_dst, on_chunk, limiter)
         m = align_up(n) if direct_dst else n
         if direct_dst:
             buf.array[n:m] = 0
-        _pwrite_all(dst_fd, buf.view[:m], off, dst)
+        pwrite_all(dst_fd, buf.view[:m], off, dst)
     finally:
         bounce_pool().release(buf)
 

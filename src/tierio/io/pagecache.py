@@ -29,10 +29,16 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 @lru_cache(maxsize=1)
-def _libc():
+def libc():
+    """The C library with the memory calls tierio makes typed (mmap, munmap, mincore, madvise);
+    None outside Linux."""
     if not sys.platform.startswith("linux"):
         return None
-    lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:  # pragma: no cover - Linux without a loadable libc (static builds)
+        return None
+    lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     lib.mmap.restype = ctypes.c_void_p
     lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
@@ -68,7 +74,7 @@ def residency(path: str | Path | int) -> Residency:
     try:
         size = os.fstat(fd).st_size
         npages = -(-size // PAGE)
-        lib = _libc()
+        lib = libc()
         if lib is None or size == 0:
             return Residency(size, np.zeros(npages, np.uint8))
         addr = lib.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)

@@ -50,7 +50,8 @@ from tierio.io import pagecache
 from tierio.io.buffers import ALIGN, align_up
 from tierio.io.checksum import xxh3
 from tierio.io.durable import fsync_dir
-from tierio.io.files import open_file, os_error
+from tierio.io.files import open_file, os_error, pwrite_all
+from tierio.io.space import disk_space
 from tierio.weights import engine
 from tierio.weights.engine import Progress
 from tierio.weights.loader import LoadStats, _device, _Timer, load_resolved
@@ -89,14 +90,12 @@ class _ShardWriter:
         data = view[: align_up(n)] if self.direct and offset % ALIGN == 0 else view[:n]
         if self.direct and len(data) % ALIGN:  # cannot happen with aligned windows; stay safe
             raise IntegrityError(f"unaligned window at {offset} for {self.path}")
-        try:
-            done = 0
-            while done < len(data):
-                done += os.pwrite(self.fd, data[done:], offset + done)
-            if self.prefetch and self.direct:  # buffered writes left the bytes in the page cache already
+        pwrite_all(self.fd, data, offset, self.path)
+        if self.prefetch and self.direct:  # buffered writes left the bytes in the page cache already
+            try:
                 pagecache.prefetch(self.fd, offset, n)
-        except OSError as exc:
-            raise os_error(exc, self.path, "writing cache file") from exc
+            except OSError as exc:
+                raise os_error(exc, self.path, "reading back cache file") from exc
         with self._lock:
             self.sums[offset] = digest
             self.written += n
@@ -327,7 +326,8 @@ class WeightCache:
                     log.info("evicted %s (%d bytes) from the weight cache", e.source, e.bytes)
             if used + need > self.max_bytes:
                 raise StorageError(f"weight cache {self.root} is full of models in use ({used} bytes); wait, or raise max_bytes")
-            free = shutil.disk_usage(self.root).free
+            space = disk_space(self.root)
+            free = space[1] if space is not None else need
             if free < need:
                 raise DiskFullError(f"{self.root} has {free} bytes free but the model needs {need}; free space or move the cache")
 

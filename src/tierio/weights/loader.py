@@ -50,6 +50,14 @@ class LoadStats:
     copied_tensors: int = 0  # tensors whose offset was not a multiple of their element size
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def add_read(self, counters: Counters, files: int) -> None:
+        """Account one read pass: the files it touched, the bytes it planned, and how they came."""
+        self.files += files
+        self.bytes += counters.total
+        self.direct_bytes += counters.direct_bytes
+        self.buffered_bytes += counters.buffered_bytes
+        self.remote_bytes += counters.remote_bytes
+
     @property
     def gb_per_s(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
@@ -242,12 +250,8 @@ def load_resolved(
                 out[name] = torch.empty(e.shape, dtype=torch_dtype(e.dtype), device=dev)
     order = list(dict.fromkeys(keys)) if keys is not None else [n for items in selected.values() for n, _ in items]
     ordered = {name: _convert(out[name], dtype) for name in order}
-    stats.files += len({id(x.shard) for x in extents})
     stats.tensors += len(ordered)
-    stats.bytes += sum(x.end - x.start for x in extents)
-    stats.direct_bytes += counters.direct_bytes
-    stats.buffered_bytes += counters.buffered_bytes
-    stats.remote_bytes += counters.remote_bytes
+    stats.add_read(counters, files=len({id(x.shard) for x in extents}))
     return ordered
 
 
@@ -417,11 +421,7 @@ def _fill(src, dests, names, table, stats: LoadStats, direct, chunk_size, depth,
             dst.copy_(staged)
     if any(d.is_cuda for d in dests.values()):
         torch.cuda.synchronize()
-    stats.files += len(shards)
-    stats.bytes += sum(x.end - x.start for x in extents)
-    stats.direct_bytes += counters.direct_bytes
-    stats.buffered_bytes += counters.buffered_bytes
-    stats.remote_bytes += counters.remote_bytes
+    stats.add_read(counters, files=len(shards))
 
 
 # -- inspect -----------------------------------------------------------------------------------

@@ -18,16 +18,15 @@ Tensors are zero-copy views of either; the mapping lives as long as any of its t
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import mmap
 import os
-from functools import lru_cache
 
 import numpy as np
 
 from tierio.errors import IntegrityError
 from tierio.io.buffers import ALIGN, BufferPool, align_up, shared_pool
+from tierio.io.pagecache import libc
 
 HUGE = 2 << 20
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
@@ -35,16 +34,6 @@ MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels answer EINVAL and we to
 STAGING_BUDGET = 512 << 20  # the GPU / load_into staging ring never exceeds this
 
 _populate_ok = True
-
-
-@lru_cache(maxsize=1)
-def _libc():
-    try:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return lib
-    except OSError:  # pragma: no cover - non-glibc platforms
-        return None
 
 
 class Arena:
@@ -71,7 +60,7 @@ class Arena:
         global _populate_ok
         if length <= 0:
             return
-        lib = _libc()
+        lib = libc()
         if _populate_ok and lib is not None:
             # ctypes releases the GIL, so several reader threads populate in parallel.
             if lib.madvise(self.address + offset, align_up(length, ALIGN), MADV_POPULATE_WRITE) == 0:
@@ -115,7 +104,7 @@ class FileMapping:
         self.view = memoryview(self._mm)
 
     def populate(self, offset: int, length: int) -> None:
-        lib = _libc()
+        lib = libc()
         length = min(length, self.nbytes - offset)
         if length <= 0:
             return

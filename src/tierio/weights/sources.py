@@ -42,24 +42,6 @@ class Shard:
         assert self.header is not None
         return self.header.data_offset
 
-    def read(self, offset: int, view: memoryview) -> None:
-        """Fill ``view`` with the bytes at ``offset`` (buffered for local files; a ranged GET remotely)."""
-        if self.path is not None:
-            fd = _open(self.path)
-            try:
-                done = 0
-                while done < len(view):
-                    n = os.preadv(fd, [view[done:]], offset + done)
-                    if n == 0:
-                        raise FormatError(f"{self.where}: file ended at byte {offset + done}, expected {offset + len(view)}; it is truncated")
-                    done += n
-            except OSError as exc:
-                raise os_error(exc, self.path, "reading") from exc
-            finally:
-                os.close(fd)
-        else:
-            self.store.read_into(self.key, offset, view)
-
 
 @dataclass
 class ModelSource:
@@ -177,7 +159,8 @@ def resolve(source: str | os.PathLike, *, read_headers: bool = True) -> ModelSou
         return _resolve_remote(text, read_headers)
     path = _local_path(text)
     if path.is_file():
-        shard = Shard(path.name, path.stat().st_size, str(path), path.stat().st_mtime, path=path)
+        st = path.stat()
+        shard = Shard(path.name, st.st_size, str(path), st.st_mtime, path=path)
         src = ModelSource(str(path), "file", [shard], root=path.parent, keys=[path.name])
     elif path.is_dir():
         keys = sorted(
