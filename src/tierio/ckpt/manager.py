@@ -19,7 +19,6 @@ Retention runs after each commit on rank 0 (see retention.gc_plan for the safety
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import warnings
@@ -30,10 +29,10 @@ from typing import Any
 
 import torch
 
+from tierio.dist import rank_world
 from tierio.errors import ConfigError, DiskFullError, FormatError, IntegrityError, NotFoundError, StorageError
 from tierio.format.manifest import ChunkInfo, Manifest, RankEntry, TensorInfo, encode_fragment, parse_fragment, utc_now
 from tierio.format.shard import (
-    MANIFEST,
     fragment_key,
     manifest_key,
     plan_shard,
@@ -45,7 +44,6 @@ from tierio.format.shard import (
 from tierio.format.statetree import flatten
 from tierio.io.buffers import HostBuffer, align_up
 from tierio.io.checksum import xxh3
-from tierio.io.durable import is_temp
 from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Store, read_bytes
 from tierio.units import human_bytes, parse_size
@@ -64,7 +62,7 @@ from tierio.ckpt.reader import (
     where,
 )
 from tierio.ckpt.retention import gc_plan, wanted
-from tierio.ckpt.tier import Tier, as_tier, capacity, open_tier_store
+from tierio.ckpt.tier import Tier, as_tier, open_tier_store
 
 log = logging.getLogger("tierio.ckpt")
 
@@ -133,7 +131,7 @@ class CheckpointManager:
         for i, t in enumerate(tiers):
             tier = as_tier(t)
             self._tiers.append(_TierState(tier, open_tier_store(tier, self.limiter if i > 0 else None)))
-        self.rank, self.world_size = _rank_world(rank, world_size, process_group)
+        self.rank, self.world_size = rank_world(rank, world_size, process_group)
         self.memory_budget = parse_size(memory_budget) if memory_budget is not None else None
         self.slots = 2 if double_buffer else 1
         self.min_keep = min_keep
@@ -410,7 +408,7 @@ class CheckpointManager:
 
     def _check_space(self, need: int, step: int) -> None:
         ts = self._tiers[0]
-        cap = capacity(ts.store)
+        cap = ts.store.capacity()
         if cap is None:
             return
         total, free = cap
@@ -648,9 +646,9 @@ class CheckpointManager:
                 if not steps:
                     continue
                 try:
-                    for s, keys in dirs.items():
+                    for s in dirs:
                         if s < max(steps) and s not in steps and s not in protected:
-                            delete_step(ts.store, s, keys)
+                            delete_step(ts.store, s)
                 except StorageError:
                     pass
             return deleted
@@ -684,35 +682,7 @@ class CheckpointManager:
             raise ConfigError("this CheckpointManager is closed")
 
 
-def delete_step(store: Store, step: int, keys: list[str] | None = None) -> None:
+def delete_step(store: Store, step: int) -> None:
     """Delete one step's copy: the manifest first (it stops being a checkpoint), then the rest."""
-    prefix = step_dir(step) + "/"
-    store.delete(prefix + MANIFEST)
-    for key in keys if keys is not None else store.list(prefix):
-        if key != prefix + MANIFEST:
-            store.delete(key)
-    root = getattr(store, "root", None)
-    if root is not None:  # temp files of writes that died half way are invisible to list()
-        d = os.path.join(root, step_dir(step))
-        try:
-            for name in os.listdir(d):
-                if is_temp(name):
-                    os.unlink(os.path.join(d, name))
-            os.rmdir(d)
-        except OSError:
-            pass
-
-
-def _rank_world(rank: int | None, world_size: int | None, group: Any) -> tuple[int, int]:
-    if rank is None or world_size is None:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank(group) if rank is None else rank
-            world_size = dist.get_world_size(group) if world_size is None else world_size
-        else:
-            rank = 0 if rank is None else rank
-            world_size = 1 if world_size is None else world_size
-    if not 0 <= rank < world_size:
-        raise ConfigError(f"rank {rank} is outside world size {world_size}")
-    return rank, world_size
+    store.delete(manifest_key(step))
+    store.delete_prefix(step_dir(step) + "/")

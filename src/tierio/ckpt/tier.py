@@ -1,11 +1,10 @@
-"""Tiers: a store plus its retention policy, and the capacity of local tiers."""
+"""Tiers: a store plus its retention policy."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierio.io.space import disk_space
 from tierio.errors import ConfigError
 from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Store
@@ -35,11 +34,3 @@ def open_tier_store(tier: Tier, limiter: TokenBucket | None = None) -> Store:
     if isinstance(tier.url, (str, Path)):
         return open_store(tier.url, limiter=limiter) if limiter is not None else open_store(tier.url)
     return tier.url
-
-
-def capacity(store: Store) -> tuple[int, int] | None:
-    """(total, free) bytes of a local store's filesystem; None for object stores."""
-    root = getattr(store, "root", None)
-    if root is None:
-        return None
-    return disk_space(root)

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from tierio.dist import rank_world
 from tierio.errors import ConfigError, FormatError, IntegrityError, NotFoundError
 from tierio.io.durable import temp_name
 from tierio.storage.base import Store, read_bytes
@@ -45,17 +46,6 @@ try:  # an IterableDataset when torch is present, a plain iterable otherwise
     from torch.utils.data import IterableDataset as _Base
 except ImportError:  # pragma: no cover
     _Base = object  # type: ignore[assignment,misc]
-
-
-def _dist_rank_world() -> tuple[int, int]:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-    except ImportError:  # pragma: no cover
-        pass
-    return 0, 1
 
 
 def _worker() -> tuple[int, int]:
@@ -172,12 +162,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         self.store = url if not isinstance(url, (str, Path)) else open_store(url)
         self.url = self.store.url
         self.manifest: Manifest = load_manifest(self.store, self.url)
-        if rank is None or world_size is None:
-            r, w = _dist_rank_world()
-            rank = r if rank is None else rank
-            world_size = w if world_size is None else world_size
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ConfigError(f"rank {rank} is not in a world of {world_size}")
+        rank, world_size = rank_world(rank, world_size)
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
         self.rank, self.world_size = rank, world_size

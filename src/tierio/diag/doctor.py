@@ -7,7 +7,6 @@ capture from a slow cluster can be judged anywhere.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections import Counter
@@ -19,6 +18,7 @@ from tierio.diag.parse import diskstats_delta, is_whole_disk, parse_diskstats, p
 from tierio.diag.rules import Finding
 from tierio.diag.system import DISKSTATS, FileScan, block_device, find_mount, read_text, run_tool, scan_files, space
 from tierio.errors import FormatError, NotFoundError
+from tierio.io.untrusted import read_json_file
 
 
 @dataclass
@@ -131,25 +131,14 @@ def device_findings(rec: Recorded) -> list[Finding]:
 
 def load_recording(path: str) -> Recorded:
     """Read a recording written by ``tierio doctor --save FILE``."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except FileNotFoundError:
-        raise NotFoundError(f"recording {path} does not exist: write it with `tierio doctor PATH --save {path}`") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{path} is not JSON ({exc})") from None
+    doc = read_json_file(path, missing=f"write a recording with `tierio doctor PATH --save {path}`")
     return Recorded.from_dict(doc, path)
 
 
 def load_timer_file(path: str) -> tuple[str, dict[str, Any]]:
     """Read a JSON file written by WaitTimer/StepTimer.to_json()."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except FileNotFoundError:
-        raise NotFoundError(f"timer file {path} does not exist: write it with StepTimer().to_json('{path}')") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{path} is not JSON ({exc}): give a file written by WaitTimer/StepTimer.to_json()") from None
+    doc = read_json_file(path, missing=f"write a timer file with StepTimer().to_json('{path}')",
+                         what="give a file written by WaitTimer/StepTimer.to_json()")
     if not isinstance(doc, dict) or not str(doc.get("kind", "")).startswith("tierio.") or "summary" not in doc:
         raise FormatError(f"{path} is not a tierio timer file: write it with WaitTimer/StepTimer.to_json()")
     return path, doc

@@ -15,6 +15,7 @@ mounts) get buffered I/O instead, reported once per directory and visible in IOS
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import threading
@@ -112,6 +113,17 @@ def open_file(path: str | Path, write: bool, direct: bool) -> tuple[int, bool]:
         raise os_error(exc, path, doing) from exc
 
 
+def hold_write_lock(fd: int) -> None:
+    """Mark a file being written as owned by a live process: an exclusive flock, held until the
+    descriptor closes (the kernel drops it when the process dies). Cleanup of temp files
+    (Store.cleanup) removes only files whose lock it can take. Filesystems without flock
+    support are left unmarked; cleanup then goes by age alone."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        pass
+
+
 def pwrite_all(fd: int, view: memoryview, offset: int, path: str | Path) -> None:
     """Write all of ``view`` at ``offset`` (short writes continue; a zero-byte write means the disk is full)."""
     while len(view):
@@ -160,6 +172,7 @@ class FileWriter:
         self.depth = max(1, depth)
         self.limiter = limiter
         self.fd, self.direct = open_file(self.path, write=True, direct=direct)
+        hold_write_lock(self.fd)
         self._offset = 0  # bytes submitted so far (file offset of the bounce buffer's start)
         self._bounce: HostBuffer | None = None
         self._fill = 0
@@ -439,15 +452,20 @@ def copy_file(
     depth: int = DEFAULT_DEPTH,
     limiter: TokenBucket | None = None,
     on_chunk: Callable[[int, memoryview], None] | None = None,
+    src_fd: int | None = None,
 ) -> IOStats:
     """Copy ``src`` to ``dst`` (not atomic) with parallel aligned chunks; fsyncs ``dst``.
 
     ``on_chunk(offset, bytes)`` sees every chunk in memory (for checksums) before it is written.
+    ``src_fd``: an open descriptor of ``src`` to read instead of opening the path (left open).
     """
     t0 = time.perf_counter()
-    src_fd, _ = open_file(src, write=False, direct=direct)
+    own_src = src_fd is None
+    if own_src:
+        src_fd, _ = open_file(src, write=False, direct=direct)
     try:
         dst_fd, dst_direct = open_file(dst, write=True, direct=direct)
+        hold_write_lock(dst_fd)
         try:
             size = os.fstat(src_fd).st_size
             chunk = align_up(chunk_size)
@@ -462,6 +480,7 @@ def copy_file(
         finally:
             os.close(dst_fd)
     finally:
-        os.close(src_fd)
+        if own_src:
+            os.close(src_fd)
     return record(IOStats("copy", str(dst), size, time.perf_counter() - t0, dst_direct, -(-size // chunk_size)))
 

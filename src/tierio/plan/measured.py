@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
-from tierio.errors import FormatError, NotFoundError
+from tierio.errors import FormatError
+from tierio.io.untrusted import read_json_file
 
 _WRITE_OPS = ("write", "put")
 _READ_OPS = ("read", "get")
@@ -46,13 +46,8 @@ class Measured:
 
 def load_measured(path: str | os.PathLike[str]) -> Measured:
     """Read a ``tierio probe --json`` file; a FormatError says which field is wrong."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except FileNotFoundError:
-        raise NotFoundError(f"measured file {path} does not exist: write one with `tierio probe DIR --json > {path}`") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{path} is not JSON ({exc}): give the output of `tierio probe --json`") from None
+    doc = read_json_file(path, missing=f"write one with `tierio probe DIR --json > {path}`",
+                         what="give the output of `tierio probe --json`")
     return parse_measured(doc, str(path))
 
 

@@ -6,12 +6,12 @@ all-or-nothing: readers never see a partial object under its final key.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from tierio.errors import ConfigError
+from tierio.io.paths import key_parts
 
 Buffer = bytes | bytearray | memoryview
 
@@ -59,17 +59,34 @@ class Store(Protocol):
         """Remove one key; a missing key is not an error."""
         ...
 
+    def create_exclusive(self, key: str, data: bytes) -> bool:
+        """Write a small object under ``key`` only if no object is there yet (O_EXCL on a
+        filesystem, a conditional PUT on S3); True when this call created it. For leases/markers."""
+        ...
+
+    def capacity(self) -> tuple[int, int] | None:
+        """(total, free) bytes where the store has a size (a filesystem); None for object stores."""
+        ...
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key under ``prefix`` and the leftovers of interrupted writes there (temp
+        files, empty directories); returns how many keys were removed."""
+        ...
+
+    def cleanup(self, prefix: str = "", older_than: float = 0.0) -> int:
+        """Remove what interrupted writes left under ``prefix`` and no live writer owns (temp files;
+        multipart uploads on S3), untouched for at least ``older_than`` seconds; returns the count."""
+        ...
+
     def close(self) -> None:
         ...
 
 
-def check_key(key: str) -> str:
-    """Reject keys that could escape the store's root (absolute, '..', empty parts)."""
-    if not key or key.startswith("/") or "\\" in key or "\x00" in key:
-        raise ConfigError(f"invalid store key {key!r}: keys are relative '/'-separated names")
-    parts = key.split("/")
-    if any(p in ("", ".", "..") for p in parts[:-1]) or parts[-1] in ("", ".", ".."):
-        raise ConfigError(f"invalid store key {key!r}: no empty, '.' or '..' parts allowed")
+def check_key(key: str, where: str | None = None) -> str:
+    """Reject keys that could escape the store's root (absolute, '..', empty parts).
+
+    With ``where`` (the file the key was read from) a bad key is a FormatError, not a ConfigError."""
+    key_parts(key, where)
     return key
 
 
@@ -81,15 +98,3 @@ def read_bytes(store: Store, key: str, offset: int = 0, length: int | None = Non
     if length:
         store.read_into(key, offset, memoryview(buf))
     return bytes(buf)
-
-
-def delete_prefix(store: Store, prefix: str) -> int:
-    """Delete every key under ``prefix``; returns how many were removed."""
-    keys = store.list(prefix)
-    for key in keys:
-        store.delete(key)
-    return len(keys)
-
-
-def total_size(store: Store, keys: Iterable[str]) -> int:
-    return sum(store.stat(k).size for k in keys)

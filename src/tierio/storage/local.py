@@ -1,16 +1,29 @@
-"""LocalStore: a directory on node-local NVMe or on a shared-filesystem mount (tiers 2 and 3)."""
+"""LocalStore: a directory on node-local NVMe or on a shared-filesystem mount (tiers 2 and 3).
+
+Keys come from manifests and indexes, so they are data: every access resolves a key from a
+descriptor of the root one component at a time without following symlinks (io.paths), and
+listings skip links, so no key reaches outside the root even when someone planted a link in it.
+"""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import stat
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tierio.errors import NotFoundError
-from tierio.io.durable import atomic_copy, atomic_write, is_temp
-from tierio.io.files import os_error, read_into
+from tierio.errors import FormatError, NotFoundError
+from tierio.io.durable import atomic_copy, atomic_write, fsync_dir, is_temp
+from tierio.io.files import os_error, pwrite_all, read_into
 from tierio.io.limiter import TokenBucket
+from tierio.io.paths import open_beneath, open_dir_beneath
+from tierio.io.space import disk_space
 from tierio.storage.base import Buffer, ObjectInfo, check_key
+
+_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 class LocalStore:
@@ -33,31 +46,94 @@ class LocalStore:
         return f"LocalStore({str(self.root)!r})"
 
     def path(self, key: str) -> Path:
+        """The file of ``key`` (checked as a key; use :meth:`open` to also refuse links on the way)."""
         return self.root / check_key(key)
 
+    # -- writes ------------------------------------------------------------------------------
+    def _writable(self, key: str) -> Path:
+        """Create the key's parent directories, refusing a link or a file in their place."""
+        parts = check_key(key).split("/")
+        try:
+            os.close(open_dir_beneath(self.root, parts[:-1], create=True))
+        except OSError as exc:
+            raise os_error(exc, self.root / key, "creating the directory of") from exc
+        return self.root / key
+
     def put_buffers(self, key: str, buffers: Sequence[Buffer]) -> int:
-        return atomic_write(self.path(key), buffers, direct=self.direct, limiter=self.limiter).bytes
+        return atomic_write(self._writable(key), buffers, direct=self.direct, limiter=self.limiter).bytes
 
     def put_file(self, key: str, path: str | Path) -> int:
-        return atomic_copy(path, self.path(key), direct=self.direct, limiter=self.limiter).bytes
+        return atomic_copy(path, self._writable(key), direct=self.direct, limiter=self.limiter).bytes
+
+    def create_exclusive(self, key: str, data: bytes) -> bool:
+        self._writable(key)
+        try:
+            fd = open_beneath(self.root, key, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            raise os_error(exc, self.root / key, "creating") from exc
+        try:
+            pwrite_all(fd, memoryview(data), 0, self.root / key)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir((self.root / key).parent)
+        return True
+
+    # -- reads -------------------------------------------------------------------------------
+    def open(self, key: str, *, direct: bool = False) -> tuple[int, bool]:
+        """A read descriptor of ``key`` (a regular file reached without links); (fd, is_direct)."""
+        try:
+            if direct and _DIRECT:
+                try:
+                    return open_beneath(self.root, key, os.O_RDONLY | _DIRECT), True
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+            return open_beneath(self.root, key, os.O_RDONLY), False
+        except NotFoundError:
+            raise NotFoundError(f"{self.root / key} does not exist (key {key!r} in {self.url})") from None
+        except OSError as exc:
+            raise os_error(exc, self.root / key, "opening") from exc
 
     def read_into(self, key: str, offset: int, buf: memoryview) -> int:
-        read_into(self._existing(key), offset, buf, direct=self.direct)
+        fd, direct = self.open(key, direct=self.direct)
+        try:
+            read_into(self.root / key, offset, buf, direct=direct, fd=fd)
+        finally:
+            os.close(fd)
         return len(buf)
 
     def get_file(self, key: str, path: str | Path) -> int:
-        return atomic_copy(self._existing(key), path, direct=self.direct).bytes
+        fd, _ = self.open(key, direct=self.direct)
+        try:
+            return atomic_copy(self.root / key, path, direct=self.direct, src_fd=fd).bytes
+        finally:
+            os.close(fd)
+
+    def _walk_base(self, prefix: str) -> Path | None:
+        """The directory holding every key under ``prefix``, reached without links; None if absent."""
+        if "/" not in prefix:
+            return self.root
+        sub = prefix.rsplit("/", 1)[0]
+        try:
+            os.close(open_dir_beneath(self.root, check_key(sub).split("/")))
+        except (NotFoundError, FormatError, OSError):
+            return None
+        return self.root / sub
 
     def list(self, prefix: str = "") -> list[str]:
-        base = self.root / prefix.rsplit("/", 1)[0] if "/" in prefix else self.root
-        if not base.is_dir():
+        """Keys under ``prefix``: regular files only (links and temp files are not keys)."""
+        base = self._walk_base(prefix)
+        if base is None:
             return []
         keys = []
-        for dirpath, dirnames, filenames in os.walk(base):
+        for dirpath, dirnames, filenames in os.walk(base):  # does not descend into linked directories
             dirnames[:] = [d for d in dirnames if not is_temp(d)]
             rel = os.path.relpath(dirpath, self.root)
             for name in filenames:
-                if is_temp(name):
+                if is_temp(name) or not stat.S_ISREG(os.lstat(os.path.join(dirpath, name)).st_mode):
                     continue
                 key = name if rel == "." else f"{rel}/{name}".replace(os.sep, "/")
                 if key.startswith(prefix):
@@ -65,40 +141,101 @@ class LocalStore:
         return sorted(keys)
 
     def stat(self, key: str) -> ObjectInfo:
-        p = self.path(key)
+        fd, _ = self.open(key)
         try:
-            st = p.stat()
-        except OSError as exc:
-            raise os_error(exc, p, "reading") from exc
-        if not p.is_file():
-            raise NotFoundError(f"{p} is not a file")
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
         return ObjectInfo(key, st.st_size, st.st_mtime)
 
     def exists(self, key: str) -> bool:
-        return self.path(key).is_file()
-
-    def delete(self, key: str) -> None:
-        p = self.path(key)
+        """True for a regular file reached without links (a planted link is not a key)."""
         try:
-            p.unlink()
+            os.close(self.open(key)[0])
+        except (NotFoundError, FormatError):
+            return False
+        return True
+
+    # -- deletes -----------------------------------------------------------------------------
+    def delete(self, key: str) -> None:
+        parts = check_key(key).split("/")
+        try:
+            dfd = open_dir_beneath(self.root, parts[:-1])
+        except (NotFoundError, FormatError):
+            return  # no such directory (or a link where it should be): nothing of ours to delete
+        try:
+            os.unlink(parts[-1], dir_fd=dfd)
         except FileNotFoundError:
             return
         except OSError as exc:
-            raise os_error(exc, p, "deleting") from exc
-        # Drop directories left empty, up to the root, so deleted checkpoints leave no husks.
-        parent = p.parent
-        while parent != self.root:
+            raise os_error(exc, self.root / key, "deleting") from exc
+        finally:
+            os.close(dfd)
+        self._prune(self.root.joinpath(*parts[:-1]))
+
+    def _prune(self, d: Path) -> None:
+        """Drop directories left empty, up to the root, so deleted checkpoints leave no husks."""
+        while d != self.root and self.root in d.parents:
             try:
-                parent.rmdir()
+                d.rmdir()
             except OSError:
                 break
-            parent = parent.parent
+            d = d.parent
+
+    def delete_prefix(self, prefix: str) -> int:
+        keys = self.list(prefix)
+        for key in keys:
+            self.delete(key)
+        self._remove_temps(prefix, older_than=0.0, force=True)
+        if prefix.endswith("/"):
+            self._prune(self.root / check_key(prefix.rstrip("/")))
+        return len(keys)
+
+    def cleanup(self, prefix: str = "", older_than: float = 0.0) -> int:
+        return self._remove_temps(prefix, older_than=older_than, force=False)
+
+    def _remove_temps(self, prefix: str, *, older_than: float, force: bool) -> int:
+        """Unlink temp files under ``prefix`` untouched for ``older_than`` s whose writer is gone.
+
+        A writer holds a lock on its temp file (io.files.FileWriter) until it renames it into
+        place, so a temp file whose lock can be taken belongs to a process that died. ``force``
+        skips the lock test (the caller is deleting the whole prefix)."""
+        base = self._walk_base(prefix)
+        if base is None:
+            return 0
+        now = time.time()
+        removed = 0
+        for dirpath, dirnames, filenames in os.walk(base):  # linked directories are not entered
+            for name in filenames:
+                path = os.path.join(dirpath, name)
+                if not is_temp(name) or not os.path.relpath(path, self.root).replace(os.sep, "/").startswith(prefix):
+                    continue
+                try:
+                    st = os.lstat(path)
+                    if stat.S_ISREG(st.st_mode) and now - st.st_mtime >= older_than and (force or _unowned(path)):
+                        os.unlink(path)
+                        removed += 1
+                except FileNotFoundError:
+                    continue
+        return removed
+
+    def capacity(self) -> tuple[int, int] | None:
+        return disk_space(self.root)
 
     def close(self) -> None:
         pass
 
-    def _existing(self, key: str) -> Path:
-        p = self.path(key)
-        if not p.is_file():
-            raise NotFoundError(f"{p} does not exist (key {key!r} in {self.url})")
-        return p
+
+def _unowned(path: str) -> bool:
+    """True when no process holds the writer's lock on ``path`` (see io.files.hold_write_lock)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # closing releases the lock

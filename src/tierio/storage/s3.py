@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -317,6 +318,41 @@ class S3Store:
 
     def delete(self, key: str) -> None:
         self._call("deleting", key, self.client.delete_object, Key=self._key(key))
+
+    def create_exclusive(self, key: str, data: bytes) -> bool:
+        """A conditional PUT (If-None-Match: *): S3 answers 412 when the key exists."""
+        try:
+            self._call("creating", key, self.client.put_object, Key=self._key(key), Body=bytes(data), IfNoneMatch="*")
+        except StorageError as exc:
+            if "PreconditionFailed" in str(exc) or "412" in str(exc):
+                return False
+            raise
+        return True
+
+    def delete_prefix(self, prefix: str) -> int:
+        keys = self.list(prefix)
+        for key in keys:
+            self.delete(key)
+        self.cleanup(prefix)
+        return len(keys)
+
+    def cleanup(self, prefix: str = "", older_than: float = 0.0) -> int:
+        """Abort multipart uploads under ``prefix`` started at least ``older_than`` seconds ago
+        (their parts are invisible but cost storage until aborted); returns how many."""
+        base = f"{self.prefix}/" if self.prefix else ""
+        page = self._call("listing uploads under", None, self.client.list_multipart_uploads, Prefix=base + prefix)
+        now = time.time()
+        aborted = 0
+        for up in page.get("Uploads", []):
+            if now - up["Initiated"].timestamp() < older_than:
+                continue
+            self._call("aborting upload of", up["Key"][len(base):], self.client.abort_multipart_upload,
+                       Key=up["Key"], UploadId=up["UploadId"])
+            aborted += 1
+        return aborted
+
+    def capacity(self) -> tuple[int, int] | None:
+        return None  # an object store has no size to fill
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -15,7 +15,6 @@ from urllib.parse import parse_qs, unquote, urlparse
 from tierio.errors import ConfigError
 from tierio.storage.base import Store
 from tierio.storage.local import LocalStore
-from tierio.storage.s3 import S3Store
 
 
 def open_store(url: str | Path, **options: Any) -> Store:
@@ -33,5 +32,7 @@ def open_store(url: str | Path, **options: Any) -> Store:
         unknown = set(q) - {"endpoint", "region"}
         if unknown:
             raise ConfigError(f"{text}: unknown S3 URL option(s) {sorted(unknown)}; use endpoint= and region=")
+        from tierio.storage.s3 import S3Store  # boto3 is imported only for S3 URLs
+
         return S3Store(u.netloc, unquote(u.path).strip("/"), endpoint=q.get("endpoint"), region=q.get("region"), **options)
     raise ConfigError(f"unsupported store URL {text!r}: use a path, file:///path or s3://bucket/prefix")
