@@ -11,6 +11,7 @@ import os
 import threading
 from email.utils import formatdate
 from pathlib import Path
+from typing import ClassVar
 from urllib.parse import parse_qs, unquote, urlsplit
 from xml.sax.saxutils import escape
 
@@ -20,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from tierio.data.cache import ShardCache
-from tierio.data.shards import ShardWriter, load_manifest
+from tierio.data.shards import ShardWriter
 from tierio.data.streaming import StreamingDataset
 from tierio.errors import FormatError, IntegrityError
 from tierio.storage import open_store
@@ -183,7 +184,7 @@ class _HostileS3(http.server.BaseHTTPRequestHandler):
     """Answers ListObjectsV2, HEAD and ranged GET for a fixed set of objects, keys included that no
     real server stores (SeaweedFS refuses '..' in keys, so a hostile endpoint stands in for one)."""
 
-    objects: dict[str, bytes] = {}
+    objects: ClassVar[dict[str, bytes]] = {}
 
     def log_message(self, *args) -> None:
         pass

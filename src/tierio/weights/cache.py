@@ -48,8 +48,7 @@ from tierio.io.buffers import ALIGN, align_up
 from tierio.io.checksum import xxh3
 from tierio.io.durable import fsync_dir
 from tierio.io.files import open_file, os_error, pwrite_all
-from tierio.io.paths import open_beneath
-from tierio.io.untrusted import Fields, check_hex, check_str, loads
+from tierio.io.untrusted import Fields, check_hex, check_str, read_json_file
 from tierio.storage.base import check_key
 from tierio.storage.cache import CacheOptions, FillPlan, NodeCache, entry_name, make_parents
 from tierio.weights import engine
@@ -108,9 +107,9 @@ class CacheRecord:
         }, indent=1)
 
     @classmethod
-    def parse(cls, raw: bytes, where: str) -> CacheRecord:
-        """A record from untrusted bytes; FormatError on anything odd (names must stay inside the entry)."""
-        f = Fields(loads(raw, where, limit=RECORD_LIMIT), where)
+    def from_doc(cls, doc: object, where: str) -> CacheRecord:
+        """A record from an untrusted document; FormatError on anything odd (names must stay inside the entry)."""
+        f = Fields(doc, where)
         f.const("version", VERSION)
         listed = f.obj("files")
         if len(listed.doc) > MAX_FILES:
@@ -127,14 +126,8 @@ class CacheRecord:
     @classmethod
     def read(cls, entry: Path) -> CacheRecord:
         """The record of a committed entry (NotFoundError, or FormatError when it is damaged)."""
-        where = f"{entry}/{RECORD}"
-        try:
-            fd = open_beneath(entry, RECORD, os.O_RDONLY)
-        except OSError as exc:
-            raise NotFoundError(f"{where} cannot be read ({exc})") from None
-        with os.fdopen(fd, "rb") as fh:
-            raw = fh.read(RECORD_LIMIT + 1)
-        return cls.parse(raw, where)
+        path = entry / RECORD
+        return cls.from_doc(read_json_file(path, missing="the entry has no record", limit=RECORD_LIMIT), str(path))
 
 
 def _file_record(f: Fields) -> FileRecord:

@@ -485,4 +485,4 @@ def inspect(source: str | Any) -> dict[str, Any]:
     }
 
 
-__all__ = ["LoadOptions", "LoadStats", "LoadIntoResult", "Timer", "as_device", "load", "load_into", "load_resolved", "inspect"]
+__all__ = ["LoadIntoResult", "LoadOptions", "LoadStats", "Timer", "as_device", "inspect", "load", "load_into", "load_resolved"]
