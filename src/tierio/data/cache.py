@@ -1,175 +1,111 @@
-"""A node-local shard cache (tier 2 NVMe) shared by every process of a node.
+"""The shard cache: verified local copies of a dataset's shards on the node-local cache.
 
-* Atomic and verified: a shard is downloaded under ``.partial/``, its xxh3 checked against the
-  manifest, then renamed into place. The cached name embeds the checksum, so a file under a
-  final name is always a complete, verified copy of that exact shard version.
-* Bounded: before a download the cache makes room, evicting least-recently-used shards (the
-  mtime is bumped on every use) until the bytes present plus the downloads in flight fit
-  ``limit``. A shard larger than the limit is refused up front.
-* Never evicts a shard in use: readers hold a shared ``flock`` on the shard file for as long as
-  they read it; eviction only removes a file whose exclusive lock it can take without waiting.
-  Locks are released by the kernel when a process dies, so a crashed worker pins nothing.
-* Only copies are cached: every file here has its original in the remote store.
+A thin user of :class:`tierio.storage.cache.NodeCache`, which owns pins, eviction, reservations,
+atomic fills and fork safety (see there), shared by every process of a node:
 
-Coordination is through the filesystem (flock), so DataLoader workers and ranks on one node
-share one cache without a server process.
+* **Verified.** A shard is downloaded into the fill's scratch directory, its xxh3 compared with
+  the manifest's, and only then renamed into place. Its cache key holds the store, the shard key,
+  the xxh3 and the size, so a changed object never matches an old copy; the file name is derived
+  from that key by the cache, never taken from the manifest.
+* **Bounded.** ``limit`` bytes of shards, downloads in flight included; least recently used shards
+  are evicted first, never one a reader holds (``open_locked``). A shard larger than the limit is
+  refused up front, and sizes that are not integers (NaN, negative, fractional) are a FormatError
+  before any fit check.
+* **Indexes beside the shards.** The small per-shard index files are cached too, outside the
+  limit, so they are never evicted to make room for data.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import logging
-import os
-import threading
-import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
-from tierio.errors import ConfigError, DiskFullError, NotFoundError, StorageError
-from tierio.io.files import os_error
+from tierio.errors import ConfigError, DiskFullError, NotFoundError
+from tierio.io.untrusted import check_int
 from tierio.storage.base import Store
+from tierio.storage.cache import CacheOptions, FillPlan, NodeCache, Pin, entry_name, release_fd
 from tierio.data.shards import ShardInfo, verify_file
 
-log = logging.getLogger(__name__)
 
-_PARTIAL = ".partial"
-_RESERVE = ".reserve"
-_LOCKS = ".locks"
-
-
-# flock() locks belong to an open file description, which a forked child (a DataLoader worker)
-# shares: a child that kept the parent's descriptor open would hold the parent's lock forever.
-# Every lock descriptor is registered here and closed in the child right after fork (closing a
-# copy releases nothing; the parent still holds its lock until it closes its own descriptor).
-_LOCK_FDS: set[int] = set()
-_LOCK_FDS_GUARD = threading.Lock()
+def shard_size(info: ShardInfo, of: str = "") -> int:
+    """The shard's size, checked: an integer >= 0 (FormatError naming the shard otherwise)."""
+    return check_int(info.size, f"shard {info.key}{' of ' + of if of else ''}: size")
 
 
-def _close_inherited_locks() -> None:
-    for fd in list(_LOCK_FDS):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _LOCK_FDS.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_inherited_locks)
-
-
-def lock_fd(path: str | Path, mode: int, *, create: bool = True) -> int:
-    """Open ``path`` and flock it (``mode`` may include LOCK_NB); a registered descriptor."""
-    flags = (os.O_RDWR | os.O_CREAT) if create else os.O_RDONLY
-    with _LOCK_FDS_GUARD:  # no fork between open and registration
-        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o644)
-        _LOCK_FDS.add(fd)
-    try:
-        fcntl.flock(fd, mode)
-    except BaseException:
-        release_fd(fd)
-        raise
-    return fd
-
-
-def release_fd(fd: int) -> None:
-    """Close a registered lock descriptor (a no-op for one this process did not open)."""
-    with _LOCK_FDS_GUARD:
-        if fd not in _LOCK_FDS:
-            return
-        _LOCK_FDS.discard(fd)
-        os.close(fd)
-
-
-@contextmanager
-def _flock(path: Path, mode: int) -> Iterator[int]:
-    fd = lock_fd(path, mode)
-    try:
-        yield fd
-    finally:
-        release_fd(fd)  # closing releases the lock
-
-
-def local_name(xxh3: str, key: str) -> str:
-    """A cached copy's file name: content hash first, so a changed object never matches."""
-    return f"{xxh3}-{key.replace('/', '__')}"
+def largest_shard(shards: list[ShardInfo], of: str = "") -> int:
+    """The largest shard size of a dataset, every size checked (0 for no shards)."""
+    return max((shard_size(s, of) for s in shards), default=0)
 
 
 def check_fits(info: ShardInfo, limit: int, of: str = "") -> None:
     """A cache of ``limit`` bytes must hold at least this shard (``of``: the dataset, for the message)."""
-    if info.size > limit:
+    size = shard_size(info, of)
+    if size > limit:
         raise ConfigError(
-            f"cache_limit {limit} bytes is smaller than shard {info.key} ({info.size} bytes){' of ' + of if of else ''}: "
-            f"raise cache_limit to at least a few shards (e.g. {4 * info.size} bytes)"
+            f"cache_limit {limit} bytes is smaller than shard {info.key} ({size} bytes){' of ' + of if of else ''}: "
+            f"raise cache_limit to at least a few shards (e.g. {4 * size} bytes)"
         )
 
 
 class ShardCache:
     def __init__(self, store: Store, cache_dir: str | Path, limit: int, *, wait_timeout: float = 60.0) -> None:
         self.store = store
-        self.dir = Path(cache_dir).expanduser().absolute()
         self.limit = int(limit)
-        self.wait_timeout = wait_timeout
         if self.limit <= 0:
             raise ConfigError(f"cache_limit must be positive, got {limit}")
-        try:
-            for sub in ("", _PARTIAL, _RESERVE, _LOCKS):
-                (self.dir / sub).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise os_error(exc, self.dir, "creating cache directory") from exc
+        self.node = NodeCache(cache_dir, CacheOptions(limit=self.limit, wait_timeout=wait_timeout))
+        self.dir = self.node.root
         self.downloaded_bytes = 0
         self.hits = 0
         self.misses = 0
 
+    # -- names -------------------------------------------------------------------------------
+    def key(self, info: ShardInfo) -> str:
+        """The cache key of a shard version (its readable part is the shard key, before the '?')."""
+        return f"{info.key}?xxh3={info.xxh3}&size={info.size}&store={self.store.url}"
+
     def name(self, info: ShardInfo) -> str:
-        return local_name(info.xxh3, info.key)
+        return entry_name(self.key(info))
 
     def path(self, info: ShardInfo) -> Path:
-        return self.dir / self.name(info)
+        return self.node.entry_path(self.name(info))
 
     def check_fits(self, info: ShardInfo) -> None:
-        check_fits(info, self.limit)
+        check_fits(info, self.limit, of=self.store.url)
 
-    # -- the public operation ------------------------------------------------------------
-    def ensure(self, info: ShardInfo) -> Path:
-        """Path of a verified local copy of ``info``, downloading it if needed."""
-        p = self.path(info)
-        if self._present(p, info):
-            self.hits += 1
-            return p
+    # -- shards ------------------------------------------------------------------------------
+    def pin(self, info: ShardInfo) -> Pin:
+        """A verified local copy of ``info``, downloaded if needed, held until ``Pin.release()``."""
         self.check_fits(info)
-        with _flock(self.dir / _LOCKS / (self.name(info) + ".lock"), fcntl.LOCK_EX):
-            if self._present(p, info):  # another process fetched it while we waited
-                self.hits += 1
-                return p
-            self.misses += 1
-            with self._reservation(info):
-                self._download(info, p)
-        return p
-
-    def _present(self, p: Path, info: ShardInfo) -> bool:
-        try:
-            st = p.stat()
-        except FileNotFoundError:
-            return False
-        if st.st_size != info.size:  # cannot happen through this class; be safe anyway
-            p.unlink(missing_ok=True)
-            return False
-        return True
-
-    def touch(self, p: Path) -> None:
-        try:
-            os.utime(p)
-        except OSError:
-            pass
-
-    def _download(self, info: ShardInfo, final: Path) -> None:
-        part = self.dir / _PARTIAL / self.name(info)
         where = f"shard {info.key} of {self.store.url}"
+
+        def plan() -> FillPlan:
+            return FillPlan(info.size, lambda target: self._download(info, target, where), where,
+                            verify=lambda target: verify_file(target, info.xxh3, info.size, where))
+
+        pin = self.node.get(self.key(info), "file", plan, usable=lambda p: p.stat().st_size == info.size)
+        if pin.hit:
+            self.hits += 1
+        else:
+            self.misses += 1
+            self.downloaded_bytes += info.size
+        return pin
+
+    def ensure(self, info: ShardInfo) -> Path:
+        """Path of a verified local copy of ``info``, downloading it if needed (not held)."""
+        pin = self.pin(info)
+        pin.release()
+        return pin.path
+
+    def open_locked(self, info: ShardInfo) -> tuple[Path, int]:
+        """Ensure the shard is cached; returns (path, registered fd holding a shared lock on it).
+
+        Release with ``release_fd(fd)``: while it is held, no process evicts the shard."""
+        pin = self.pin(info)
+        return pin.path, pin.fd
+
+    def _download(self, info: ShardInfo, target: Path, where: str) -> None:
         try:
-            self.store.get_file(info.key, part)
+            self.store.get_file(info.key, target)
         except NotFoundError:
             raise NotFoundError(
                 f"{where} is listed in the manifest but missing on the store; the dataset is incomplete there: "
@@ -180,115 +116,23 @@ class ShardCache:
                 f"cache directory {self.dir} ran out of space while downloading {where} ({exc}); "
                 "free space there, lower cache_limit below the free space, or use another cache_dir"
             ) from None
-        try:
-            verify_file(part, info.xxh3, info.size, where)
-            os.replace(part, final)
-        except BaseException:
-            part.unlink(missing_ok=True)
-            raise
-        self.downloaded_bytes += info.size
 
-    # -- space accounting and eviction --------------------------------------------------------
-    @contextmanager
-    def _reservation(self, info: ShardInfo) -> Iterator[None]:
-        rpath = self.dir / _RESERVE / self.name(info)
-        deadline = time.monotonic() + self.wait_timeout
-        while True:
-            with _flock(self.dir / ".cache.lock", fcntl.LOCK_EX):
-                if self._make_room(info.size):
-                    fd = lock_fd(rpath, fcntl.LOCK_EX)
-                    os.ftruncate(fd, 0)
-                    os.write(fd, str(info.size).encode())
-                    break
-            if time.monotonic() > deadline:
-                raise ConfigError(
-                    f"cache {self.dir} cannot make room for {info.key} ({info.size} bytes) within cache_limit "
-                    f"{self.limit}: every cached shard is in use; raise cache_limit or lower prefetch/workers"
-                )
-            time.sleep(0.05)
-        try:
-            yield
-        finally:
-            rpath.unlink(missing_ok=True)
-            release_fd(fd)
+    # -- indexes -----------------------------------------------------------------------------
+    def _index_key(self, info: ShardInfo) -> str:
+        return f"{info.index_key}?xxh3={info.index_xxh3}&size={info.index_size}&store={self.store.url}"
+
+    def read_index(self, info: ShardInfo) -> bytes | None:
+        """The cached bytes of the shard's index, or None; unverified (parse_index checks them)."""
+        size = check_int(info.index_size, f"shard {info.key} of {self.store.url}: index_size")
+        return self.node.read_index(self._index_key(info), max_bytes=size)
+
+    def put_index(self, info: ShardInfo, raw: bytes) -> None:
+        self.node.put_index(self._index_key(info), raw)
 
     def usage(self) -> tuple[int, int]:
         """(bytes of complete shards, bytes reserved by downloads in flight)."""
-        present = 0
-        for e in os.scandir(self.dir):
-            if e.is_file() and not e.name.startswith("."):
-                present += e.stat().st_size
-        return present, self._reserved()
+        u = self.node.usage()
+        return u.present, u.reserved
 
-    def _reserved(self) -> int:
-        total = 0
-        for e in os.scandir(self.dir / _RESERVE):
-            try:
-                fd = lock_fd(e.path, fcntl.LOCK_SH | fcntl.LOCK_NB, create=False)
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    raise
-                try:  # an active download holds it
-                    total += int(Path(e.path).read_text() or "0")
-                except (OSError, ValueError):
-                    pass
-                continue
-            try:  # nobody holds it: a download that died; drop its leftovers
-                os.unlink(e.path)
-                (self.dir / _PARTIAL / e.name).unlink(missing_ok=True)
-            finally:
-                release_fd(fd)
-        return total
 
-    def _make_room(self, need: int) -> bool:
-        entries = []
-        for e in os.scandir(self.dir):
-            if e.is_file() and not e.name.startswith("."):
-                st = e.stat()
-                entries.append((st.st_mtime, e.path, st.st_size))
-        used = sum(size for _, _, size in entries) + self._reserved()
-        excess = used + need - self.limit
-        if excess <= 0:
-            return True
-        for _, path, size in sorted(entries):
-            if excess <= 0:
-                break
-            if self._evict(path):
-                excess -= size
-        return excess <= 0
-
-    def _evict(self, path: str) -> bool:
-        try:
-            fd = lock_fd(path, fcntl.LOCK_EX | fcntl.LOCK_NB, create=False)
-        except FileNotFoundError:
-            return False
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return False  # in use by a reader
-            raise
-        try:
-            os.unlink(path)
-            log.debug("evicted %s from shard cache", path)
-            return True
-        finally:
-            release_fd(fd)
-
-    # -- reading ---------------------------------------------------------------------------
-    def open_locked(self, info: ShardInfo) -> tuple[Path, int]:
-        """Ensure the shard is cached; returns (path, registered fd holding a shared lock on it).
-
-        Release with ``release_fd(fd)``: while it is held, no process evicts the shard."""
-        for _ in range(20):
-            p = self.ensure(info)
-            try:
-                fd = lock_fd(p, fcntl.LOCK_SH, create=False)
-            except FileNotFoundError:
-                continue  # evicted between ensure() and open(): fetch again
-            if os.fstat(fd).st_nlink == 0:  # evicted before we locked it
-                release_fd(fd)
-                continue
-            self.touch(p)
-            return p, fd
-        raise StorageError(f"shard {info.key} keeps being evicted from {self.dir} before it can be read; raise cache_limit")
+__all__ = ["ShardCache", "check_fits", "largest_shard", "release_fd", "shard_size"]

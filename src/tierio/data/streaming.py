@@ -24,6 +24,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,9 @@ import numpy as np
 
 from tierio.dist import rank_world
 from tierio.errors import ConfigError, FormatError, IntegrityError, NotFoundError
-from tierio.io.durable import temp_name
 from tierio.storage.base import Store, read_bytes
 from tierio.units import parse_size
-from tierio.data.cache import ShardCache, check_fits, local_name, release_fd
+from tierio.data.cache import ShardCache, check_fits, largest_shard, release_fd
 from tierio.data.shards import Manifest, ShardFile, ShardInfo, load_manifest, parse_index
 
 log = logging.getLogger(__name__)
@@ -127,13 +127,42 @@ class EpochOrder:
         return out
 
 
+@dataclass(frozen=True)
+class ReaderBudget:
+    """How many shards one reader holds open (pinned in the cache) and prefetches."""
+
+    open_shards: int
+    prefetch: int
+
+    @classmethod
+    def share(cls, slots: int, readers: int, max_open: int, prefetch: int) -> ReaderBudget:
+        """A reader's share of a cache that holds ``slots`` of the largest shard, among ``readers``
+        on the node: its pins, one download of its own and its prefetches fit that share, so it
+        never waits on its own pins. With a share of one slot it holds one shard and closes it
+        before downloading the next."""
+        mine = max(1, slots // max(1, readers))
+        open_shards = max(1, min(max_open, mine - 1))
+        return cls(open_shards, max(0, min(prefetch, mine - open_shards - 1)))
+
+
+def _local_world_size() -> int:
+    """Ranks on this node (set by torchrun); they share the node's cache."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
     """Iterate the samples of a shard dataset at ``url`` through a local cache.
 
     url: any store URL holding ``index.json`` + shards (``s3://...``, ``file:///...``, a path).
     cache_dir: local directory for verified shard copies (shared by all workers and ranks of a
         node). ``None`` reads a local store's shards in place (no copy, no cache).
-    cache_limit: bytes the cache may hold ("64GiB"); must exceed the largest shard.
+    cache_limit: bytes the cache may hold ("64GiB"); must exceed the largest shard. A reader never
+        waits on its own pins: the shards it holds open (at most ``max_open_shards``) and prefetches
+        are sized so that, with one more download, they fit its share of the limit (the limit
+        divided among the DataLoader workers and the node's ranks, ``LOCAL_WORLD_SIZE``).
     batch_size: the DataLoader batch size; workers interleave whole batches (see module doc).
     transform: applied to each sample (a dict of field -> numpy array) before it is yielded.
     copy: hand out writable copies (default) instead of read-only views of the shard mapping.
@@ -178,7 +207,8 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         if self.cache_dir is None:
             if not isinstance(self.store, LocalStore):
                 raise ConfigError(f"{self.url} is remote: pass cache_dir (a local NVMe directory) to stream it")
-        elif self.manifest.shards:
+        self._largest = largest_shard(self.manifest.shards, of=self.url)  # every size checked
+        if self.cache_dir is not None and self.manifest.shards:
             check_fits(max(self.manifest.shards, key=lambda s: s.size), self.cache_limit, of=self.url)
         self.samples_per_rank = self.manifest.num_samples // world_size
         self._counts = np.asarray([s.samples for s in self.manifest.shards], dtype=np.int64)
@@ -199,6 +229,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         self._pending: dict[int, Future] = {}
         self._indexes: dict[int, np.ndarray] = {}
         self._open: OrderedDict[int, ShardFile] = OrderedDict()
+        self._budget = ReaderBudget(self.max_open_shards, self.prefetch)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -247,11 +278,11 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
             info = self.manifest.shards[shard]
             where = f"{self.url}/{info.index_key}"
             nfields = len(self.manifest.fields)
-            cached = self.cache_dir / local_name(info.index_xxh3, info.index_key) if self.cache_dir else None
-            idx = None
-            if cached is not None and cached.exists():
+            cache = self.cache
+            raw = cache.read_index(info) if cache is not None else None
+            if raw is not None:
                 try:
-                    idx = parse_index(cached.read_bytes(), info, nfields, str(cached))
+                    idx = parse_index(raw, info, nfields, f"{where} (cached in {cache.dir})")  # type: ignore[union-attr]
                 except (IntegrityError, FormatError):
                     idx = None  # a damaged cached copy: fetch it again
             if idx is None:
@@ -260,13 +291,8 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
                 except NotFoundError:
                     raise NotFoundError(f"{where} is listed in the manifest but missing on the store; re-upload the dataset") from None
                 idx = parse_index(raw, info, nfields, where)
-                if cached is not None:
-                    tmp = temp_name(cached)
-                    try:
-                        tmp.write_bytes(raw)
-                        tmp.replace(cached)
-                    except OSError:
-                        tmp.unlink(missing_ok=True)  # the index is tiny; caching it is optional
+                if cache is not None:
+                    cache.put_index(info, raw)  # best effort: the index is small
             self._indexes[shard] = idx
         return idx
 
@@ -276,10 +302,10 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
             cache.ensure(self.manifest.shards[shard])
 
     def _prefetch(self, shards: list[int]) -> None:
-        if not self.prefetch or self.cache_dir is None:
+        if not shards or self.cache_dir is None:
             return
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=min(2, self.prefetch), thread_name_prefix="tierio-prefetch")
+            self._pool = ThreadPoolExecutor(max_workers=min(2, len(shards)), thread_name_prefix="tierio-prefetch")
         for s in shards:
             if s not in self._open and s not in self._pending:
                 self._pending[s] = self._pool.submit(self._fetch, s)
@@ -293,16 +319,21 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         if fut is not None:
             fut.result()  # re-raises a failed prefetch here, where the shard is needed
         info: ShardInfo = self.manifest.shards[shard]
-        index = self._index(shard)
-        if self.cache is None:
-            sf = ShardFile(self.store.path(info.key), index, self.manifest.fields)  # type: ignore[attr-defined]
-        else:
-            path, fd = self.cache.open_locked(info)
-            sf = ShardFile(path, index, self.manifest.fields, on_close=lambda: release_fd(fd))
-        self._open[shard] = sf
-        while len(self._open) > self.max_open_shards:
+        # Unpin before pinning another: the download of this shard may need the room they hold.
+        while len(self._open) >= self._budget.open_shards:
             _, old = self._open.popitem(last=False)
             old.close()  # releases its cache lock
+        if self.cache is None:
+            sf = ShardFile(self.store.path(info.key), self._index(shard), self.manifest.fields)  # type: ignore[attr-defined]
+        else:
+            path, fd = self.cache.open_locked(info)  # the shard first: its index is cached only beside it
+            try:
+                index = self._index(shard)
+            except BaseException:
+                release_fd(fd)
+                raise
+            sf = ShardFile(path, index, self.manifest.fields, on_close=lambda: release_fd(fd))
+        self._open[shard] = sf
         return sf
 
     def close(self) -> None:
@@ -315,6 +346,12 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         self._pending.clear()
 
     # -- iteration --------------------------------------------------------------------------
+    def _reader_budget(self, workers: int) -> ReaderBudget:
+        if self.cache_dir is None or not self._largest:
+            return ReaderBudget(self.max_open_shards, self.prefetch)
+        readers = workers * max(1, _local_world_size())
+        return ReaderBudget.share(self.cache_limit // self._largest, readers, self.max_open_shards, self.prefetch)
+
     def _check_process(self) -> None:
         if self._pid != os.getpid():
             # inherited locks were closed at fork; drop the parent's objects (the store's
@@ -328,6 +365,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         self._next_epoch, self._next_start = epoch + 1, 0
         self._cur_epoch, self._cur_pos = epoch, start
         w, nw = _worker()
+        self._budget = self._reader_budget(nw)
         order = self.epoch_order(epoch)
         n = self.samples_per_rank
         base = self.rank * n
@@ -340,7 +378,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
                 local = np.arange(pos, end, dtype=np.int64)
                 mine = ((local - start) // B) % nw == w
                 gids = order.positions(base + pos, base + end)
-                self._prefetch(order.upcoming_shards(base + end, self.prefetch, base + n))
+                self._prefetch(order.upcoming_shards(base + end, self._budget.prefetch, base + n))
                 shards = order.shard_of(gids)
                 first = order.first_sample
                 needed = set(shards[mine].tolist())

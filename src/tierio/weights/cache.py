@@ -1,76 +1,172 @@
 """WeightCache: a local NVMe copy of models that live on slow or remote storage (S3, NFS, Lustre).
 
-Layout under ``root``::
+A thin user of the node-local cache (:class:`tierio.storage.cache.NodeCache`), which owns pins,
+least-recently-used eviction, reservations, atomic fills and fork safety. An entry is a directory
+holding the model's files under their relative names at the source, plus a record::
 
-    entries/<name>-<hash>/          the model's files, same relative names as at the source
-    entries/<name>-<hash>/.tierio-cache.json   commit record: source, sizes, mtimes, checksums
-    entries/.<name>-<hash>.tmp-*/   a fill in progress (renamed into place when complete)
-    locks/<name>-<hash>.lock        per-entry lock: exclusive to fill, shared while loading
-    .lock                           held while accounting and evicting
+    entries/<name>/                       the model's files (name derived from the URL by the cache)
+    entries/<name>/.tierio-cache.json     the record: source, kind, sizes, source mtimes, window xxh3
+    locks/<name>.lock                     shared while a process loads the model, exclusive to fill it
 
 Pipelined fill: the shards are downloaded in ordered windows with several ranged GETs in
 flight into the reused staging ring; every window is checksummed and written to the cache file
 by O_DIRECT while it is in memory, and then:
 
-* CPU loads (mapped, the default): the kernel is asked to read the written window back into
-  the page cache in the background, so when the download ends the cache files are resident
+* CPU loads (mapped, the default): the kernel is asked to read the written window back into the
+  page cache in the background, so when the download ends the cache files are resident
   and the tensors are mapped views of them. No memory is zeroed and the CPU copies nothing but
   the socket reads, which counts where the download shares its cores with the network stack.
 * GPU loads: the window is also copied to the device from the staging buffer.
 * ``mapped=False`` CPU loads: the download lands in private memory (an arena per shard) and is
   written from there.
 
-Verification: a fill is committed only if every file has the source's size and its header
-parses to the same tensors as the source's; each window's xxh3 is recorded, so ``verify="full"``
-can re-check a cached copy later. Eviction is least-recently-used by size; entries in use by a
-process (shared lock held) are never evicted.
+Verification: a fill is committed only if every file has the source's size and the copy parses to
+the same tensors as the source; each window's xxh3 is recorded, so ``verify="full"`` can re-check
+a cached copy later. Hostile input: every name of the source's listing is checked before any
+directory is made (a name that could leave the entry is a FormatError), and the record is read as
+untrusted bytes (bounded JSON, typed fields, relative names only): a damaged record is a miss.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+import stat
 import threading
 import time
-import uuid
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from tierio.errors import ConfigError, DiskFullError, IntegrityError, StorageError, StoreUnavailableError
+from tierio.errors import ConfigError, FormatError, IntegrityError, NotFoundError, StoreUnavailableError
 from tierio.io import pagecache
 from tierio.io.buffers import ALIGN, align_up
 from tierio.io.checksum import xxh3
 from tierio.io.durable import fsync_dir
 from tierio.io.files import open_file, os_error, pwrite_all
-from tierio.io.space import disk_space
+from tierio.io.untrusted import Fields, check_hex, check_str, read_json_file
+from tierio.storage.base import check_key
+from tierio.storage.cache import CacheOptions, FillPlan, NodeCache, entry_name, make_parents
 from tierio.weights import engine
-from tierio.weights.engine import Progress
-from tierio.weights.loader import LoadStats, _device, _Timer, load_resolved
-from tierio.weights.sources import ModelSource, Shard, _read_header_local, resolve
+from tierio.weights.engine import Hook, Progress
+from tierio.weights.loader import LoadOptions, LoadStats, Timer, as_device, load_resolved
+from tierio.weights.sources import ModelSource, Shard, resolve
 
 log = logging.getLogger(__name__)
 RECORD = ".tierio-cache.json"
 VERSION = 1
+RECORD_LIMIT = 64 << 20  # 500 GB in 16 MiB windows is ~1.3 MB of checksums
+SUM_WINDOW = 2 << 20  # the checksum window: fills record one xxh3 per multiple of it
+MAX_FILES = 100_000
+KINDS = ("file", "hf", "dir", "tierio")
+_OFFSET = re.compile(r"[0-9]{1,19}")
 
 
 @dataclass
 class CacheEntry:
     name: str
-    source: str
+    source: str  # empty when the entry's record cannot be read
     bytes: int
     last_used: float
     path: Path
 
 
+# -- the record -----------------------------------------------------------------------------------
+@dataclass
+class FileRecord:
+    size: int
+    mtime: float = 0.0  # at the source (0 for companion files, which are not checked)
+    sums: dict[int, str] = field(default_factory=dict)  # window offset -> xxh3 (shards only)
+
+
+@dataclass
+class CacheRecord:
+    """What a committed entry holds and where it came from."""
+
+    source: str
+    kind: str  # as ModelSource.kind
+    files: dict[str, FileRecord]  # relative name -> record (shards and companion files)
+    order: list[str]  # the shard files, in source order
+    chunk: int  # the checksum window of the fill
+    created: float
+
+    def local_path(self, entry: Path) -> Path:
+        """What to load from: the file of a single-file model, else the entry directory."""
+        return entry / self.order[0] if self.kind == "file" else entry
+
+    def to_json(self) -> str:
+        files = {k: {"size": f.size, "mtime": f.mtime, **({"xxh3": {str(o): h for o, h in f.sums.items()}} if f.sums else {})}
+                 for k, f in self.files.items()}
+        return json.dumps({
+            "version": VERSION, "source": self.source, "kind": self.kind, "bytes": sum(f.size for f in self.files.values()),
+            "files": files, "files_order": self.order, "chunk": self.chunk, "created": self.created,
+        }, indent=1)
+
+    @classmethod
+    def from_doc(cls, doc: object, where: str) -> CacheRecord:
+        """A record from an untrusted document; FormatError on anything odd (names must stay inside the entry)."""
+        f = Fields(doc, where)
+        f.const("version", VERSION)
+        listed = f.obj("files")
+        if len(listed.doc) > MAX_FILES:
+            raise FormatError(f"{where}: more than {MAX_FILES} files")
+        files = {check_key(k, where): _file_record(listed.obj(k)) for k in listed.doc}
+        order = [check_key(check_str(k, where), where) for k in f.list("files_order", MAX_FILES)]
+        if not order or any(k not in files for k in order):
+            raise FormatError(f"{where}: 'files_order' must name files of 'files'")
+        chunk = f.int("chunk", SUM_WINDOW, 1 << 30)
+        if chunk % SUM_WINDOW:
+            raise FormatError(f"{where}: field 'chunk' must be a multiple of {SUM_WINDOW}, got {chunk}")
+        return cls(f.str("source", 8192), f.const("kind", *KINDS), files, order, chunk, f.float("created", 0.0))
+
+    @classmethod
+    def read(cls, entry: Path) -> CacheRecord:
+        """The record of a committed entry (NotFoundError, or FormatError when it is damaged)."""
+        path = entry / RECORD
+        return cls.from_doc(read_json_file(path, missing="the entry has no record", limit=RECORD_LIMIT), str(path))
+
+
+def _file_record(f: Fields) -> FileRecord:
+    sums = f.obj("xxh3", default=None)
+    checked: dict[int, str] = {}
+    for k, v in (sums.doc.items() if sums is not None else ()):
+        if not _OFFSET.fullmatch(k):
+            raise FormatError(f"{sums.where}: {k[:40]!r} is not a byte offset")  # type: ignore[union-attr]
+        checked[int(k)] = check_hex(v, f"{sums.where}[{k}]", 16)  # type: ignore[union-attr]
+    return FileRecord(f.int("size"), f.float("mtime", 0.0, default=0.0), checked)
+
+
+def stale_reason(record: CacheRecord, entry: Path, src: ModelSource | None) -> str | None:
+    """Why a committed entry cannot be used (None when it is good): a file missing or of the wrong
+    size in the cache, or (given the source) a shard that changed there."""
+    for key, f in record.files.items():  # keys were checked relative when the record was read
+        try:
+            st = os.lstat(entry / key)
+        except OSError:
+            return f"{key} is missing from the cache"
+        if st.st_size != f.size or not stat.S_ISREG(st.st_mode):
+            return f"{key} has the wrong size in the cache"
+    for s in src.shards if src is not None else ():
+        f = record.files.get(s.key)  # type: ignore[assignment]
+        if f is None or f.size != s.size or abs(f.mtime - s.mtime) > 1e-3:
+            return f"{s.key} changed at the source"
+    return None
+
+
+def check_listing(src: ModelSource) -> None:
+    """Every name the fill will write must stay inside the entry: checked before any directory is made."""
+    where = f"the listing of {src.url}"
+    for key in [*src.keys, *(s.key for s in src.shards)]:
+        check_key(key, where)
+    if not src.shards:
+        raise NotFoundError(f"{src.url} holds no tensor files to cache")
+
+
+# -- writing shards ------------------------------------------------------------------------------
 class _ShardWriter:
     """Receives windows of one shard (in any order) and writes them to the cache file.
 
@@ -79,7 +175,6 @@ class _ShardWriter:
 
     def __init__(self, shard: Shard, path: Path, prefetch: bool = False) -> None:
         self.shard, self.path, self.prefetch = shard, path, prefetch
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.fd, self.direct = open_file(path, write=True, direct=True)
         self.sums: dict[int, str] = {}
         self.written = 0
@@ -116,101 +211,220 @@ class _ShardWriter:
             pass
 
 
-class WeightCache:
-    """A size-bounded, multi-process-safe local cache of models from slow or remote storage."""
+# -- one request through the cache ----------------------------------------------------------------
+@dataclass(frozen=True)
+class CacheLoad:
+    """A load through the cache: the load options, and how a hit is verified ("size" or "full")."""
 
-    def __init__(self, root: str | Path, max_bytes: int, *, check_source: bool = True, chunk_size: int = engine.DEFAULT_CHUNK, depth: int = 16) -> None:
+    options: LoadOptions
+    verify: str = "size"
+
+    @property
+    def maps_after_fill(self) -> bool:
+        """CPU loads that map the files need only the download written; they map the entry after."""
+        return self.options.device.type == "cpu" and self.options.mapped
+
+
+class _Request:
+    """One fetch or load through the cache, as named steps: a hit is checked (``usable``) and
+    loaded (``load_hit``); a miss is planned (``plan``), written (``write``: companion files,
+    then the shards downloaded through the writers), verified and recorded (``verify``), and
+    loaded (the tensors of the fill, or ``map_filled``)."""
+
+    def __init__(self, cache: WeightCache, url: str, load: CacheLoad | None, stats: LoadStats,
+                 progress: Progress | None) -> None:
+        self.cache, self.url, self.load, self.stats, self.progress = cache, url, load, stats, progress
+        self.src: ModelSource | None = None  # resolved on a miss
+        self.record: CacheRecord | None = None  # of the entry used
+        self.tensors: dict[str, torch.Tensor] | None = None  # loaded while filling
+        self._files: dict[str, FileRecord] = {}
+        self._checked_source: list[ModelSource | None] = []
+
+    # -- a hit ------------------------------------------------------------------------------------
+    def usable(self, entry: Path) -> bool:
+        try:
+            record = CacheRecord.read(entry)
+        except (NotFoundError, FormatError) as exc:
+            log.warning("cached copy of %s has no usable record (%s); fetching it again", self.url, exc)
+            return False
+        why = stale_reason(record, entry, self._source_now())
+        if why is not None:
+            log.info("cached copy of %s is stale (%s); fetching again", self.url, why)
+            return False
+        self.record = record
+        return True
+
+    def _source_now(self) -> ModelSource | None:
+        """The source's sizes and mtimes (once per request), or None when not checked or unreachable."""
+        if not self._checked_source:
+            src = None
+            if self.cache.check_source:
+                try:
+                    src = resolve(self.url, read_headers=False)
+                except (StoreUnavailableError, OSError) as exc:
+                    log.warning("source %s unreachable (%s); using the cached copy as is", self.url, exc)
+            self._checked_source.append(src)
+        return self._checked_source[0]
+
+    def load_hit(self, entry: Path, record: CacheRecord) -> dict[str, torch.Tensor]:
+        assert self.load is not None
+        full = self.load.verify == "full"
+        opts = replace(self.load.options, chunk_size=record.chunk, depth=self.cache.depth, whole_files=full,
+                       hook=_checksum_hook(record) if full else None, progress=self.progress)
+        return load_resolved(resolve(record.local_path(entry)), opts, self.stats)
+
+    # -- a miss -----------------------------------------------------------------------------------
+    def plan(self) -> FillPlan:
+        src = resolve(self.url)
+        check_listing(src)
+        self.src = src
+        return FillPlan(src.total_bytes, self.write, f"model {self.url}", verify=self.verify)
+
+    def write(self, target: Path) -> None:
+        """The fill: companion files first, then every shard through its writer."""
+        assert self.src is not None
+        self._files = self._copy_companions(target)
+        writers = {id(s): _ShardWriter(s, make_parents(target, s.key, self.src.url),
+                                       prefetch=self.load is not None and self.load.maps_after_fill)
+                   for s in self.src.shards}
+        try:
+            self._download(writers)
+            for s in self.src.shards:
+                w = writers.pop(id(s))
+                w.close()
+                if w.written != s.size:
+                    raise IntegrityError(f"cache copy of {s.where} got {w.written} of {s.size} bytes")
+                self._files[s.key] = FileRecord(s.size, s.mtime, dict(sorted(w.sums.items())))
+        finally:
+            for w in writers.values():
+                w.abort()
+
+    def _copy_companions(self, target: Path) -> dict[str, FileRecord]:
+        """The small files beside the shards (config.json, the index, a manifest)."""
+        src = self.src
+        assert src is not None
+        shard_keys = {s.key for s in src.shards}
+        out = {}
+        for key in src.keys:
+            if key in shard_keys:
+                continue
+            dst = make_parents(target, key, src.url)
+            if src.store is not None:
+                src.store.get_file(key, dst)
+            else:
+                shutil.copyfile(src.root / key, dst)  # type: ignore[operator]
+            out[key] = FileRecord(dst.stat().st_size)
+        return out
+
+    def _download(self, writers: dict[int, _ShardWriter]) -> None:
+        src, cache, stats = self.src, self.cache, self.stats
+        assert src is not None
+
+        def hook(shard: Shard, offset: int, view: memoryview, n: int) -> None:
+            writers[id(shard)].write(offset, view, n)
+
+        if self.load is None or self.load.maps_after_fill:
+            extents = [engine.Extent(s, 0, s.size) for s in src.shards if s.size]
+            counters = engine.Counters(total=sum(x.end for x in extents), progress=self.progress)
+            engine.read_through_ring(extents, None, chunk_size=cache.chunk_size, depth=cache.depth, hook=hook,
+                                     counters=counters)
+            stats.bytes += src.total_bytes
+            stats.remote_bytes += counters.remote_bytes
+            stats.files += len(src.shards)
+            stats.method = "cache-fill"
+        else:
+            opts = replace(self.load.options, chunk_size=cache.chunk_size, depth=cache.depth, whole_files=True,
+                           hook=hook, progress=self.progress)
+            self.tensors = load_resolved(src, opts, stats)
+            stats.method += "+cache-fill"
+
+    def verify(self, target: Path) -> None:
+        """The copy must parse to the source's tensors; then the record commits what was checked."""
+        src = self.src
+        assert src is not None
+        record = CacheRecord(self.url, src.kind, self._files, [s.key for s in src.shards], self.cache.chunk_size, time.time())
+        got = {s.key: s.header.tensors for s in resolve(record.local_path(target)).shards}  # type: ignore[union-attr]
+        for s in src.shards:
+            if got.get(s.key) != s.header.tensors:  # type: ignore[union-attr]
+                raise IntegrityError(f"cache copy of {s.where} has a different header than the source; the source changed during the copy")
+        (target / RECORD).write_text(record.to_json())
+        fsync_dir(target)
+        self.record = record
+
+    def map_filled(self, entry: Path) -> dict[str, torch.Tensor]:
+        """Map the committed, verified copy (resident by now: the fill read each window back)."""
+        assert self.load is not None and self.record is not None
+        local = LoadStats()
+        opts = replace(self.load.options, chunk_size=self.cache.chunk_size, depth=self.cache.depth, mapped=True, progress=None)
+        out = load_resolved(resolve(self.record.local_path(entry)), opts, local)
+        self.stats.method = f"{local.method}+cache-fill"
+        self.stats.tensors += local.tensors
+        self.stats.copied_tensors += local.copied_tensors
+        return out
+
+
+def _checksum_hook(record: CacheRecord) -> Hook:
+    """Checks every window a full-verify load reads against the fill's recorded xxh3."""
+    chunk = record.chunk
+    sums = {k: f.sums for k, f in record.files.items()}
+
+    def hook(shard: Shard, offset: int, view: memoryview, n: int) -> None:
+        # Windows are whole multiples of the fill's checksum window (see engine).
+        for rel in range(0, n, chunk):
+            at, m = offset + rel, min(chunk, n - rel)
+            want = sums.get(shard.key, {}).get(at)
+            if want is None or xxh3(view[rel : rel + m]) != want:
+                why = "have no recorded checksum" if want is None else "fail their checksum"
+                raise IntegrityError(f"cached {shard.where} bytes {at}..{at + m} {why}; run `tierio weights fetch` again or evict the entry")
+
+    return hook
+
+
+# -- the cache ------------------------------------------------------------------------------------
+class WeightCache:
+    """A size-bounded, multi-process-safe local cache of models from slow or remote storage.
+
+    ``wait_timeout``: seconds a fill waits for room while every model it could evict is being
+    loaded by some process (default 0: fail at once, naming the models in use)."""
+
+    def __init__(self, root: str | Path, max_bytes: int, *, check_source: bool = True, chunk_size: int = engine.DEFAULT_CHUNK,
+                 depth: int = 16, wait_timeout: float = 0.0) -> None:
         if max_bytes <= 0:
             raise ConfigError(f"WeightCache max_bytes must be positive, got {max_bytes}")
-        self.root = Path(root).expanduser().absolute()
+        if chunk_size <= 0 or chunk_size % SUM_WINDOW:
+            raise ConfigError(f"WeightCache chunk_size must be a positive multiple of 2 MiB (a checksum window), got {chunk_size}")
         self.max_bytes = int(max_bytes)
         self.check_source = check_source
-        if chunk_size <= 0 or chunk_size % (2 << 20):
-            raise ConfigError(f"WeightCache chunk_size must be a positive multiple of 2 MiB (a checksum window), got {chunk_size}")
         self.chunk_size = chunk_size
         self.depth = depth
-        try:
-            (self.root / "entries").mkdir(parents=True, exist_ok=True)
-            (self.root / "locks").mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise os_error(exc, self.root, "creating the weight cache in") from exc
+        self.node = NodeCache(root, CacheOptions(limit=self.max_bytes, wait_timeout=wait_timeout))
+        self.root = self.node.root
 
-    # -- naming and locks ---------------------------------------------------------------------
     @staticmethod
-    def entry_name(url: str) -> str:
-        base = url.split("?", 1)[0].rstrip("/")
-        tail = re.sub(r"[^A-Za-z0-9._-]+", "_", base.rsplit("/", 1)[-1])[:48] or "model"
-        return f"{tail}-{hashlib.sha256(url.encode()).hexdigest()[:16]}"
-
-    def _entry_dir(self, name: str) -> Path:
-        return self.root / "entries" / name
-
-    @contextmanager
-    def _lock(self, path: Path, mode: int, blocking: bool = True):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            try:
-                fcntl.flock(fd, mode | (0 if blocking else fcntl.LOCK_NB))
-            except BlockingIOError:
-                yield None
-                return
-            yield fd
-        finally:
-            os.close(fd)  # closing releases the lock
-
-    def _entry_lock(self, name: str, mode: int, blocking: bool = True):
-        return self._lock(self.root / "locks" / f"{name}.lock", mode, blocking)
-
-    # -- records ------------------------------------------------------------------------------
-    def _record(self, name: str) -> dict[str, Any] | None:
-        try:
-            doc = json.loads((self._entry_dir(name) / RECORD).read_text())
-            return doc if isinstance(doc, dict) and doc.get("version") == VERSION else None
-        except (OSError, ValueError):
-            return None
+    def entry_name(url: str | Path) -> str:
+        return entry_name(str(url))
 
     def entries(self) -> list[CacheEntry]:
         """Committed entries, least recently used first."""
         out = []
-        for d in (self.root / "entries").iterdir():
-            if d.name.startswith("."):
-                continue
-            rec = self._record(d.name)
-            if rec is None:
-                continue
+        for e in self.node.entries():
             try:
-                used = (d / RECORD).stat().st_mtime
-            except OSError:
-                continue
-            out.append(CacheEntry(d.name, rec["source"], int(rec["bytes"]), used, d))
-        return sorted(out, key=lambda e: e.last_used)
+                source = CacheRecord.read(e.path).source
+            except (NotFoundError, FormatError):
+                source = ""
+            out.append(CacheEntry(e.name, source, e.bytes, e.last_used, e.path))
+        return out
 
     def usage(self) -> int:
-        return sum(e.bytes for e in self.entries())
-
-    def _fresh(self, rec: dict[str, Any], name: str, src: ModelSource | None) -> str | None:
-        """Why a committed entry cannot be used ('' reasons -> None when it is good)."""
-        d = self._entry_dir(name)
-        for key, info in rec["files"].items():
-            try:
-                if (d / key).stat().st_size != info["size"]:
-                    return f"{key} has the wrong size in the cache"
-            except OSError:
-                return f"{key} is missing from the cache"
-        if src is not None:
-            for s in src.shards:
-                info = rec["files"].get(s.key)
-                if info is None or info["size"] != s.size or abs(info["mtime"] - s.mtime) > 1e-3:
-                    return f"{s.key} changed at the source"
-        return None
+        return self.node.usage().present
 
     # -- public API ---------------------------------------------------------------------------
     def fetch(self, url: str | Path, *, stats: LoadStats | None = None, progress: Progress | None = None) -> Path:
         """Make sure ``url`` is cached; returns the local path to load from. ``progress(done, total)``
         hears the download (not called on a hit)."""
         stats = stats if stats is not None else LoadStats()
-        with _Timer(stats):
-            path, _ = self._ensure(str(url), stats, load=None, progress=progress)
+        with Timer(stats):
+            path, _ = self._through(_Request(self, str(url), None, stats, progress))
         return path
 
     def load(
@@ -235,191 +449,31 @@ class WeightCache:
         if verify not in ("size", "full"):
             raise ConfigError(f"verify must be 'size' or 'full', got {verify!r}")
         stats = stats if stats is not None else LoadStats()
-        dev = _device(device)
-        with _Timer(stats):
-            _, out = self._ensure(str(url), stats, load=(dev, dtype, keys, verify, mapped), progress=progress)
-        return out  # type: ignore[return-value]
+        opts = LoadOptions(as_device(device), dtype, list(keys) if keys is not None else None, mapped=mapped,
+                           chunk_size=self.chunk_size, depth=self.depth)
+        with Timer(stats):
+            _, out = self._through(_Request(self, str(url), CacheLoad(opts, verify), stats, progress))
+        assert out is not None
+        return out
 
-    def evict(self, url: str) -> bool:
+    def evict(self, url: str | Path) -> bool:
         """Remove one model from the cache (waits until no process is loading it)."""
-        name = self.entry_name(str(url))
-        with self._entry_lock(name, fcntl.LOCK_EX):
-            if self._entry_dir(name).exists():
-                shutil.rmtree(self._entry_dir(name))
-                return True
-        return False
+        return self.node.evict(str(url))
 
-    # -- internals ----------------------------------------------------------------------------
-    def _ensure(self, url: str, stats: LoadStats, load, progress: Progress | None = None):
-        name = self.entry_name(url)
-        d = self._entry_dir(name)
-        with self._entry_lock(name, fcntl.LOCK_EX) as fd:
-            rec = self._record(name)
-            src: ModelSource | None = None
-            if rec is not None:
-                if self.check_source:
-                    try:
-                        src = resolve(url, read_headers=False)  # sizes and mtimes only
-                    except (StoreUnavailableError, OSError) as exc:
-                        log.warning("source %s unreachable (%s); using the cached copy as is", url, exc)
-                why = self._fresh(rec, name, src)
-                if why is None:
-                    stats.extra["cache"] = "hit"
-                    _mark_used(d / RECORD)
-                    fcntl.flock(fd, fcntl.LOCK_SH)  # others may load it too; eviction must wait
-                    return self._from_cache(name, rec, stats, load, progress)
-                log.info("cached copy of %s is stale (%s); fetching again", url, why)
-            stats.extra["cache"] = "miss"
-            return self._fill(url, name, resolve(url), stats, load, progress)
-
-    def _local_path(self, name: str, rec: dict[str, Any]) -> Path:
-        return self._local_path_in(self._entry_dir(name), rec["kind"], rec["files_order"][0])
-
-    @staticmethod
-    def _local_path_in(entry: Path, kind: str, first_file: str) -> Path:
-        """What to load from in an entry directory: the file of a single-file model, else the directory."""
-        return entry / first_file if kind == "file" else entry
-
-    def _from_cache(self, name: str, rec: dict[str, Any], stats: LoadStats, load, progress: Progress | None):
-        path = self._local_path(name, rec)
-        if load is None:
-            return path, None
-        dev, dtype, keys, verify, mapped = load
-        src = resolve(path)
-        chunk = int(rec.get("chunk", self.chunk_size))
-        hook = None
-        if verify == "full":
-            sums = {k: v.get("xxh3", {}) for k, v in rec["files"].items()}
-
-            def hook(shard: Shard, offset: int, view: memoryview, n: int) -> None:
-                # Windows are whole multiples of the fill's checksum window (see engine).
-                for rel in range(0, n, chunk):
-                    at, m = offset + rel, min(chunk, n - rel)
-                    want = sums.get(shard.key, {}).get(str(at))
-                    if want is None or xxh3(view[rel : rel + m]) != want:
-                        why = "have no recorded checksum" if want is None else "fail their checksum"
-                        raise IntegrityError(f"cached {shard.where} bytes {at}..{at + m} {why}; run `tierio weights fetch` again or evict the entry")
-
-        out = load_resolved(
-            src, dev, dtype, keys, stats=stats, chunk_size=chunk, depth=self.depth,
-            whole_files=verify == "full", hook=hook, mapped=mapped, progress=progress,
-        )
-        return path, out
-
-    def _make_room(self, name: str, need: int) -> None:
-        if need > self.max_bytes:
-            raise ConfigError(
-                f"the model needs {need} bytes but the weight cache at {self.root} holds at most {self.max_bytes}; "
-                "raise max_bytes or load without the cache"
-            )
-        with self._lock(self.root / ".lock", fcntl.LOCK_EX):
-            entries = [e for e in self.entries() if e.name != name]
-            used = sum(e.bytes for e in entries)
-            for e in entries:  # least recently used first
-                if used + need <= self.max_bytes:
-                    break
-                with self._entry_lock(e.name, fcntl.LOCK_EX, blocking=False) as held:
-                    if held is None:
-                        continue  # in use by a loader right now
-                    shutil.rmtree(e.path, ignore_errors=True)
-                    used -= e.bytes
-                    log.info("evicted %s (%d bytes) from the weight cache", e.source, e.bytes)
-            if used + need > self.max_bytes:
-                raise StorageError(f"weight cache {self.root} is full of models in use ({used} bytes); wait, or raise max_bytes")
-            space = disk_space(self.root)
-            free = space[1] if space is not None else need
-            if free < need:
-                raise DiskFullError(f"{self.root} has {free} bytes free but the model needs {need}; free space or move the cache")
-
-    def _fill(self, url: str, name: str, src: ModelSource, stats: LoadStats, load, progress: Progress | None):
-        need = src.total_bytes
-        self._make_room(name, need)
-        entries = self.root / "entries"
-        for stale in entries.glob(f".{name}.tmp-*"):  # left by a fill that died (we hold the lock)
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = entries / f".{name}.tmp-{uuid.uuid4().hex[:12]}"
-        tmp.mkdir()
-        writers: dict[int, _ShardWriter] = {}
-        try:
-            shard_keys = {s.key for s in src.shards}
-            sizes: dict[str, dict[str, Any]] = {}
-            for key in src.keys:  # small companion files (config.json, index, manifest)
-                if key in shard_keys:
-                    continue
-                dst = tmp / key
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                if src.store is not None:
-                    src.store.get_file(key, dst)
-                else:
-                    shutil.copyfile(src.root / key, dst)  # type: ignore[operator]
-                sizes[key] = {"size": dst.stat().st_size, "mtime": 0.0}
-            # CPU loads that map the cache files only need the download written (and read back).
-            map_after = load is not None and load[0].type == "cpu" and load[4]
-            for s in src.shards:
-                writers[id(s)] = _ShardWriter(s, tmp / s.key, prefetch=map_after)
-
-            def hook(shard: Shard, offset: int, view: memoryview, n: int) -> None:
-                writers[id(shard)].write(offset, view, n)
-
-            out = None
-            if load is None or map_after:
-                extents = [engine.Extent(s, 0, s.size) for s in src.shards if s.size]
-                counters = engine.Counters(total=sum(x.end for x in extents), progress=progress)
-                engine.read_through_ring(extents, None, chunk_size=self.chunk_size, depth=self.depth, hook=hook, counters=counters)
-                stats.bytes += sum(s.size for s in src.shards)
-                stats.remote_bytes += counters.remote_bytes
-                stats.files += len(src.shards)
-                stats.method = "cache-fill"
-            else:
-                dev, dtype, keys, _, mapped = load
-                out = load_resolved(src, dev, dtype, keys, stats=stats, chunk_size=self.chunk_size, depth=self.depth,
-                                    whole_files=True, hook=hook, mapped=mapped, progress=progress)
-                stats.method += "+cache-fill"
-            for s in src.shards:
-                w = writers.pop(id(s))
-                w.close()
-                if w.written != s.size:
-                    raise IntegrityError(f"cache copy of {s.where} got {w.written} of {s.size} bytes")
-                got = _read_header_local(w.path, str(w.path))
-                if got.tensors != s.header.tensors:  # type: ignore[union-attr]
-                    raise IntegrityError(f"cache copy of {s.where} has a different header than the source; the source changed during the copy")
-                sizes[s.key] = {"size": s.size, "mtime": s.mtime, "xxh3": {str(k): v for k, v in sorted(w.sums.items())}}
-            if map_after:  # the fill is complete and verified: map the local copy (resident by now)
-                dev, dtype, keys, _, _ = load
-                local = LoadStats()
-                out = load_resolved(resolve(self._local_path_in(tmp, src.kind, src.shards[0].key)), dev, dtype, keys,
-                                    stats=local, chunk_size=self.chunk_size, depth=self.depth, mapped=True)
-                stats.method = f"{local.method}+cache-fill"
-                stats.tensors += local.tensors
-                stats.copied_tensors += local.copied_tensors
-            record = {
-                "version": VERSION, "source": url, "kind": src.kind, "bytes": need + sum(v["size"] for k, v in sizes.items() if k not in shard_keys),
-                "files": sizes, "files_order": [s.key for s in src.shards], "chunk": self.chunk_size, "created": time.time(),
-            }
-            (tmp / RECORD).write_text(json.dumps(record, indent=1))
-            _mark_used(tmp / RECORD)
-            fsync_dir(tmp)
-            final = self._entry_dir(name)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            fsync_dir(entries)
-        except BaseException:
-            for w in writers.values():
-                w.abort()
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        stats.extra["cached_at"] = str(self._local_path(name, record))
-        return self._local_path(name, record), out
+    def _through(self, req: _Request) -> tuple[Path, dict[str, torch.Tensor] | None]:
+        """Pin the entry (filling it on a miss) for as long as the load reads it."""
+        with self.node.get(req.url, "dir", req.plan, usable=req.usable) as pin:
+            record = req.record
+            assert record is not None  # set by usable() on a hit, by verify() on a fill
+            local = record.local_path(pin.path)
+            req.stats.extra["cache"] = "hit" if pin.hit else "miss"
+            if not pin.hit:
+                req.stats.extra["cached_at"] = str(local)
+            if req.load is None:
+                return local, None
+            if pin.hit:
+                return local, req.load_hit(pin.path, record)
+            return local, req.tensors if req.tensors is not None else req.map_filled(pin.path)
 
 
-def _mark_used(record: Path) -> None:
-    """Advance the entry's LRU clock (the record's mtime) with a nanosecond timestamp.
-
-    The kernel stamps files with a coarse clock (a few ms), so two uses in quick succession
-    would tie; an explicit time_ns() keeps their order."""
-    now = time.time_ns()
-    os.utime(record, ns=(now, now))
-
-
-__all__ = ["WeightCache", "CacheEntry"]
+__all__ = ["CacheEntry", "CacheLoad", "CacheRecord", "FileRecord", "WeightCache"]

@@ -79,11 +79,13 @@ def cpu_time() -> float:
     return r.ru_utime + r.ru_stime
 
 
-class _Timer:
+class Timer:
+    """Adds the wall and CPU seconds of a ``with`` block to ``stats``."""
+
     def __init__(self, stats: LoadStats) -> None:
         self.stats = stats
 
-    def __enter__(self) -> _Timer:
+    def __enter__(self) -> Timer:
         self.t0, self.c0 = time.perf_counter(), cpu_time()
         return self
 
@@ -92,7 +94,8 @@ class _Timer:
         self.stats.cpu_seconds += cpu_time() - self.c0
 
 
-def _device(device: str | torch.device) -> torch.device:
+def as_device(device: str | torch.device) -> torch.device:
+    """The torch device a load targets (ConfigError for unknown names or missing CUDA)."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
@@ -102,6 +105,38 @@ def _device(device: str | torch.device) -> torch.device:
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
+
+
+@dataclass
+class LoadOptions:
+    """How a load runs: where tensors go and how the bytes are read (see :func:`load`)."""
+
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dtype: torch.dtype | None = None
+    keys: list[str] | None = None  # None: every tensor
+    mapped: bool = True
+    direct: bool = True
+    chunk_size: int = engine.DEFAULT_CHUNK
+    depth: int = engine.DEFAULT_DEPTH
+    use_gds: bool | None = None
+    progress: Progress | None = None
+    whole_files: bool = False  # read every byte of every shard (a cache fill must see them all)
+    hook: Hook | None = None  # sees every window while it is in memory (the weight cache writes it)
+
+
+@dataclass
+class ReadPlan:
+    """What one load reads: the wanted tensors by shard, the extents holding them, and the name
+    each stored tensor is returned under."""
+
+    selected: dict[Shard, list[tuple[str, TensorEntry]]]
+    extents: list[Extent]
+    names: dict[tuple[int, str], str]  # (shard id, stored name) -> returned name
+    order: list[str]  # returned names, in the order the caller gets them
+    counters: Counters
+
+    def tensor(self, ext: Extent, e: TensorEntry) -> str:
+        return self.names[(id(ext.shard), e.name)]
 
 
 def _select(src: ModelSource, keys: Iterable[str] | None) -> dict[Shard, list[tuple[str, TensorEntry]]]:
@@ -171,87 +206,91 @@ def load(
     GPU targets and remote sources ignore ``mapped``.
     """
     stats = stats if stats is not None else LoadStats()
-    dev = _device(device)
-    with _Timer(stats):
+    opts = LoadOptions(as_device(device), dtype, list(keys) if keys is not None else None, mapped=mapped, direct=direct,
+                       chunk_size=chunk_size, depth=depth, use_gds=use_gds, progress=progress)
+    with Timer(stats):
         src = source if isinstance(source, ModelSource) else resolve(source)
-        out = load_resolved(src, dev, dtype, keys, stats=stats, direct=direct, chunk_size=chunk_size, depth=depth,
-                            use_gds=use_gds, mapped=mapped, progress=progress)
+        out = load_resolved(src, opts, stats)
     return out
 
 
-def load_resolved(
-    src: ModelSource,
-    dev: torch.device,
-    dtype: torch.dtype | None,
-    keys: Iterable[str] | None,
-    *,
-    stats: LoadStats,
-    direct: bool = True,
-    chunk_size: int = engine.DEFAULT_CHUNK,
-    depth: int = engine.DEFAULT_DEPTH,
-    use_gds: bool | None = None,
-    whole_files: bool = False,
-    hook: Hook | None = None,
-    mapped: bool = True,
-    progress: Progress | None = None,
-) -> dict[str, torch.Tensor]:
-    """The loader proper, for an already resolved source (the weight cache calls it with a hook)."""
-    keys = list(keys) if keys is not None else None
-    selected = _select(src, keys)
+def load_resolved(src: ModelSource, opts: LoadOptions, stats: LoadStats) -> dict[str, torch.Tensor]:
+    """The loader proper, for an already resolved source: plan the reads, read them into the
+    memory the target wants, then name, convert and order the tensors."""
+    plan = plan_reads(src, opts)
     stats.source = stats.source or src.url
-    stats.device = str(dev)
+    stats.device = str(opts.device)
+    out = None
+    if opts.device.type == "cpu" and opts.mapped:
+        out = _read_mapped(plan, src, opts, stats)
+    if out is None and opts.device.type == "cuda":
+        out = _load_cuda(plan, opts, stats)
+    elif out is None:
+        out = _read_arenas(plan, opts, stats)
+    return _finish(plan, out, opts, stats)
+
+
+def plan_reads(src: ModelSource, opts: LoadOptions) -> ReadPlan:
+    """The extents to read for ``opts.keys`` (every byte of every shard with ``whole_files``)."""
+    selected = _select(src, opts.keys)
     extents: list[Extent] = []
-    names: dict[tuple[int, str], str] = {}  # (shard id, stored name) -> returned name
+    names: dict[tuple[int, str], str] = {}
     for shard, items in selected.items():
-        extents += engine.plan_extents(shard, [e for _, e in items], whole_file=whole_files)
+        extents += engine.plan_extents(shard, [e for _, e in items], whole_file=opts.whole_files)
         for name, e in items:
             names[(id(shard), e.name)] = name
-    if whole_files:  # the cache fill must see every byte, also of shards holding no wanted tensor
+    if opts.whole_files:  # the cache fill must see every byte, also of shards holding no wanted tensor
         have = {id(s) for s in selected}
         extents += [engine.Extent(s, 0, s.size) for s in src.shards if id(s) not in have and s.size]
     engine.check_entries_fit(extents)
-    counters = Counters(total=sum(x.end - x.start for x in extents), progress=progress)
-    kw = dict(chunk_size=chunk_size, depth=depth, direct=direct, hook=hook, counters=counters)
+    order = list(dict.fromkeys(opts.keys)) if opts.keys is not None else [n for items in selected.values() for n, _ in items]
+    counters = Counters(total=sum(x.end - x.start for x in extents), progress=opts.progress)
+    return ReadPlan(selected, extents, names, order, counters)
+
+
+def _read_mapped(plan: ReadPlan, src: ModelSource, opts: LoadOptions, stats: LoadStats) -> dict[str, torch.Tensor] | None:
+    """CPU tensors as views of copy-on-write mappings of local files; None when not possible."""
+    if not all(x.shard.path is not None for x in plan.extents):
+        return None
+    try:
+        maps = engine.map_extents(plan.extents, chunk_size=opts.chunk_size, depth=opts.depth, hook=opts.hook,
+                                  counters=plan.counters)
+    except OSError as exc:  # a filesystem that cannot map files (some FUSE mounts): read instead
+        log.warning("cannot map %s (%s); reading into private memory instead", src.url, exc)
+        return None
+    stats.method = "mapped"
     out: dict[str, torch.Tensor] = {}
-    maps = None
-    if dev.type == "cpu" and mapped and all(x.shard.path is not None for x in extents):
-        try:
-            maps = engine.map_extents(extents, **{k: v for k, v in kw.items() if k != "direct"})
-        except OSError as exc:  # a filesystem that cannot map files (some FUSE mounts): read instead
-            log.warning("cannot map %s (%s); reading into private memory instead", src.url, exc)
-    if maps is not None:
-        stats.method = "mapped"
-        for ext, m in zip(extents, maps):
-            base = m.tensor()
-            for e in ext.entries:
-                out[names[(id(ext.shard), e.name)]] = _view(base, ext.offset_of(e), e, stats)
-    elif dev.type == "cpu":
-        stats.method = "host-arena"
-        arenas = engine.read_to_arenas(extents, **kw)
-        for ext, arena in zip(extents, arenas):
-            if not ext.entries:
-                continue
-            base = arena.tensor()
-            for e in ext.entries:
-                out[names[(id(ext.shard), e.name)]] = _view(base, ext.offset_of(e), e, stats)
-    elif dev.type == "cuda":
-        out = _load_cuda(extents, names, dev, stats, kw, use_gds)
-    else:  # other accelerators: through host memory
-        stats.method = "host-arena"
-        arenas = engine.read_to_arenas(extents, **kw)
-        for ext, arena in zip(extents, arenas):
-            base = arena.tensor()
-            for e in ext.entries:
-                out[names[(id(ext.shard), e.name)]] = _view(base, ext.offset_of(e), e, stats).to(dev)
-    # Empty tensors own no bytes in the file.
-    for shard, items in selected.items():
+    for ext, m in zip(plan.extents, maps):
+        base = m.tensor()
+        for e in ext.entries:
+            out[plan.tensor(ext, e)] = _view(base, ext.offset_of(e), e, stats)
+    return out
+
+
+def _read_arenas(plan: ReadPlan, opts: LoadOptions, stats: LoadStats) -> dict[str, torch.Tensor]:
+    """Tensors in private host memory (one arena per extent); moved to the device if it is not the CPU."""
+    stats.method = "host-arena"
+    arenas = engine.read_to_arenas(plan.extents, chunk_size=opts.chunk_size, depth=opts.depth, direct=opts.direct,
+                                   hook=opts.hook, counters=plan.counters)
+    out: dict[str, torch.Tensor] = {}
+    for ext, arena in zip(plan.extents, arenas):
+        if not ext.entries:
+            continue
+        base = arena.tensor()
+        for e in ext.entries:
+            t = _view(base, ext.offset_of(e), e, stats)
+            out[plan.tensor(ext, e)] = t if opts.device.type == "cpu" else t.to(opts.device)
+    return out
+
+
+def _finish(plan: ReadPlan, out: dict[str, torch.Tensor], opts: LoadOptions, stats: LoadStats) -> dict[str, torch.Tensor]:
+    for items in plan.selected.values():  # empty tensors own no bytes in the file
         for name, e in items:
             if e.nbytes == 0:
-                out[name] = torch.empty(e.shape, dtype=torch_dtype(e.dtype), device=dev)
-    order = list(dict.fromkeys(keys)) if keys is not None else [n for items in selected.values() for n, _ in items]
-    ordered = {name: _convert(out[name], dtype) for name in order}
+                out[name] = torch.empty(e.shape, dtype=torch_dtype(e.dtype), device=opts.device)
+    ordered = {name: _convert(out[name], opts.dtype) for name in plan.order}
     stats.tensors += len(ordered)
-    stats.add_read(counters, files=len({id(x.shard) for x in extents}))
+    stats.add_read(plan.counters, files=len({id(x.shard) for x in plan.extents}))
     return ordered
 
 
@@ -276,37 +315,44 @@ def copy_to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
     stream.synchronize()
 
 
-def _load_cuda(extents, names, dev, stats: LoadStats, kw, use_gds) -> dict[str, torch.Tensor]:
-    dev_bufs = [torch.empty(ext.capacity, dtype=torch.uint8, device=dev) for ext in extents]
-    by_ext = {id(e): b for e, b in zip(extents, dev_bufs)}
-    want_gds = gds.available() if use_gds is None else (use_gds and gds.available())
-    done = False
-    if want_gds and kw.get("hook") is None and all(x.shard.path is not None for x in extents):
-        try:
-            for ext, buf in zip(extents, dev_bufs):
-                n = ext.end - ext.start
-                got = gds.read_to_device(ext.shard.path, buf[:n], ext.start)
-                if got != n:
-                    raise OSError(f"short GDS read of {ext.shard.where}: {got} of {n} bytes")
-                kw["counters"].add("direct_bytes", n)
-            stats.method = "gds"
-            done = True
-        except Exception as exc:  # kvikio present but not working: say so once and fall back
-            log.warning("GPUDirect Storage read failed (%s); using the pinned staging ring", exc)
-            kw["counters"].direct_bytes = 0  # the ring reads every extent again
-    if not done:
+def _load_cuda(plan: ReadPlan, opts: LoadOptions, stats: LoadStats) -> dict[str, torch.Tensor]:
+    dev = opts.device
+    dev_bufs = [torch.empty(ext.capacity, dtype=torch.uint8, device=dev) for ext in plan.extents]
+    by_ext = {id(e): b for e, b in zip(plan.extents, dev_bufs)}
+    if not _read_gds(plan, dev_bufs, opts, stats):
         stats.method = "pinned-ring"
 
         def sink(ext: Extent, rel: int, view: memoryview, n: int, buf) -> None:
             copy_to_device(by_ext[id(ext)][rel : rel + n], buf.tensor()[:n])
 
-        engine.read_through_ring(extents, sink, **kw)
+        engine.read_through_ring(plan.extents, sink, chunk_size=opts.chunk_size, depth=opts.depth, direct=opts.direct,
+                                 hook=opts.hook, counters=plan.counters)
     torch.cuda.synchronize(dev)
     out = {}
-    for ext, base in zip(extents, dev_bufs):
+    for ext, base in zip(plan.extents, dev_bufs):
         for e in ext.entries:
-            out[names[(id(ext.shard), e.name)]] = _view(base, ext.offset_of(e), e, stats)
+            out[plan.tensor(ext, e)] = _view(base, ext.offset_of(e), e, stats)
     return out
+
+
+def _read_gds(plan: ReadPlan, dev_bufs: list[torch.Tensor], opts: LoadOptions, stats: LoadStats) -> bool:
+    """GPUDirect Storage reads of local files straight into device memory; False to use the ring."""
+    want = gds.available() if opts.use_gds is None else (opts.use_gds and gds.available())
+    if not want or opts.hook is not None or not all(x.shard.path is not None for x in plan.extents):
+        return False
+    try:
+        for ext, buf in zip(plan.extents, dev_bufs):
+            n = ext.end - ext.start
+            got = gds.read_to_device(ext.shard.path, buf[:n], ext.start)
+            if got != n:
+                raise OSError(f"short GDS read of {ext.shard.where}: {got} of {n} bytes")
+            plan.counters.add("direct_bytes", n)
+    except Exception as exc:  # kvikio present but not working: say so once and fall back
+        log.warning("GPUDirect Storage read failed (%s); using the pinned staging ring", exc)
+        plan.counters.direct_bytes = 0  # the ring reads every extent again
+        return False
+    stats.method = "gds"
+    return True
 
 
 # -- load_into ---------------------------------------------------------------------------------
@@ -349,7 +395,8 @@ def load_into(
     must match.
     """
     stats = stats if stats is not None else LoadStats()
-    with _Timer(stats):
+    opts = LoadOptions(direct=direct, chunk_size=chunk_size, depth=depth, progress=progress)
+    with Timer(stats):
         src = source if isinstance(source, ModelSource) else resolve(source)
         stats.source, stats.method = src.url, "in-place"
         dests = _target_tensors(target)
@@ -367,19 +414,18 @@ def load_into(
             e = table[k][1]
             if tuple(dests[k].shape) != e.shape:
                 raise ConfigError(f"tensor {k!r}: target shape {tuple(dests[k].shape)} but {table[k][0].where} holds {list(e.shape)}")
-        _fill(src, dests, names, table, stats, direct, chunk_size, depth, progress)
+        _fill_in_place({k: (dests[k], *table[k]) for k in names}, opts, stats)
     stats.tensors += len(names)
     return LoadIntoResult(names, missing, unexpected, stats)
 
 
-def _fill(src, dests, names, table, stats: LoadStats, direct, chunk_size, depth, progress) -> None:
+def _fill_in_place(targets: dict[str, tuple[torch.Tensor, Shard, TensorEntry]], opts: LoadOptions, stats: LoadStats) -> None:
+    """Stream the bytes of each (destination, shard, entry) through the ring into the destination."""
     by_shard: dict[int, list[TensorEntry]] = {}
     shards: dict[int, Shard] = {}
     sinks: dict[tuple[int, str], torch.Tensor] = {}  # (shard, stored name) -> destination bytes
     finish: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, staged temporary)
-    for k in names:
-        shard, e = table[k]
-        dst = dests[k]
+    for dst, shard, e in targets.values():
         if e.nbytes == 0:
             continue
         file_dt = torch_dtype(e.dtype)
@@ -414,12 +460,12 @@ def _fill(src, dests, names, table, stats: LoadStats, direct, chunk_size, depth,
                     dst.copy_(piece)
             i += 1
 
-    counters = Counters(total=sum(x.end - x.start for x in extents), progress=progress)
-    engine.read_through_ring(extents, sink, chunk_size=chunk_size, depth=depth, direct=direct, counters=counters)
+    counters = Counters(total=sum(x.end - x.start for x in extents), progress=opts.progress)
+    engine.read_through_ring(extents, sink, chunk_size=opts.chunk_size, depth=opts.depth, direct=opts.direct, counters=counters)
     with torch.no_grad():
         for dst, staged in finish:
             dst.copy_(staged)
-    if any(d.is_cuda for d in dests.values()):
+    if any(d.is_cuda for d, _, _ in targets.values()):
         torch.cuda.synchronize()
     stats.add_read(counters, files=len(shards))
 
@@ -439,4 +485,4 @@ def inspect(source: str | Any) -> dict[str, Any]:
     }
 
 
-__all__ = ["LoadStats", "LoadIntoResult", "load", "load_into", "inspect"]
+__all__ = ["LoadIntoResult", "LoadOptions", "LoadStats", "Timer", "as_device", "inspect", "load", "load_into", "load_resolved"]
