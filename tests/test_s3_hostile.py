@@ -7,6 +7,7 @@ their connection part-way through the answer. pytest-timeout guards every test t
 
 from __future__ import annotations
 
+import http.server
 import os
 import select
 import socket
@@ -22,7 +23,12 @@ import numpy as np
 import pytest
 
 import tierio.storage.s3 as s3mod
-from tierio.errors import ConfigError, IntegrityError, StoreUnavailableError
+from tierio.errors import (
+    ConfigError,
+    IntegrityError,
+    StoreUnavailableError,
+    TierioError,
+)
 from tierio.storage import S3Store, open_store, read_bytes
 
 MiB = 1 << 20
@@ -231,6 +237,41 @@ def test_stalled_endpoint_fails_typed_within_deadline(stalled, tmp_path, call, m
         CALLS[call](store, tmp_path)
     assert not (tmp_path / "out.bin").exists() and list(tmp_path.iterdir()) == []  # no temp file left either
     store.close()
+
+
+class _Empty(http.server.BaseHTTPRequestHandler):
+    """Answers every request with an empty 200: an endpoint that is not an S3 server."""
+
+    protocol_version = "HTTP/1.1"
+
+    def _answer(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _answer
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", sorted(CALLS))
+def test_endpoint_that_is_not_s3_gives_typed_errors(tmp_path, call, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Empty)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        store = open_store(f"s3://bkt/run?endpoint=http://127.0.0.1:{server.server_port}&timeout=5", part_size=5 * MiB)
+        try:
+            CALLS[call](store, tmp_path)
+        except TierioError:
+            pass  # any typed error; never a KeyError or a traceback from inside boto3
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.mark.timeout(120)

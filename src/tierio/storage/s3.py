@@ -53,6 +53,7 @@ from tierio.storage.s3_errors import (
     Target,
     classify,
     client_error_code,
+    field,
 )
 from tierio.storage.url import check_endpoint
 
@@ -289,19 +290,20 @@ class S3Store:
         if total <= self.part_size:
             body = part(0, total)
             self._consume(total)
-            self._request(self._target("uploading", full), deadline, self.client.put_object, Key=full, Body=body)
+            t = self._target("uploading", full)
+            field(self._request(t, deadline, self.client.put_object, Key=full, Body=body), "ETag", t)  # S3 always sends one
             return total
-        up = self._request(self._target("starting upload of", full), deadline, self.client.create_multipart_upload, Key=full)
-        upload_id = up["UploadId"]
+        t = self._target("starting upload of", full)
+        upload_id = field(self._request(t, deadline, self.client.create_multipart_upload, Key=full), "UploadId", t)
 
         def send(item: tuple[int, int]) -> dict:
             number, offset = item
             n = min(self.part_size, total - offset)
             body = part(offset, n)
             self._consume(n)
-            r = self._request(self._target(f"uploading part {number} of", full), deadline, self.client.upload_part,
-                              Key=full, UploadId=upload_id, PartNumber=number, Body=body)
-            return {"PartNumber": number, "ETag": r["ETag"]}
+            t = self._target(f"uploading part {number} of", full)
+            r = self._request(t, deadline, self.client.upload_part, Key=full, UploadId=upload_id, PartNumber=number, Body=body)
+            return {"PartNumber": number, "ETag": field(r, "ETag", t)}
 
         try:
             parts = run_all(self._pool, send, enumerate(range(0, total, self.part_size), 1), deadline)
@@ -464,11 +466,12 @@ class S3Store:
                 kw["ContinuationToken"] = token
             page = self._request(t, deadline, self.client.list_objects_v2, **kw)
             for o in page.get("Contents", []):
-                key = o["Key"][len(base) :] if o["Key"].startswith(base) else None
-                if key is not None and _safe_key(key):
+                name = str(o.get("Key", ""))
+                key = name[len(base) :] if name.startswith(base) else ""
+                if _safe_key(key):
                     keys.append(key)
                 else:
-                    refused.append(o["Key"])
+                    refused.append(name)
             if not page.get("IsTruncated"):
                 break
             token = page.get("NextContinuationToken")
@@ -482,8 +485,9 @@ class S3Store:
         return sorted(keys)
 
     def _stat(self, key: str, full: str, deadline: Deadline) -> ObjectInfo:
-        r = self._request(self._target("reading metadata of", full), deadline, self.client.head_object, Key=full)
-        return ObjectInfo(key, int(r["ContentLength"]), r["LastModified"].timestamp())
+        t = self._target("reading metadata of", full)
+        r = self._request(t, deadline, self.client.head_object, Key=full)
+        return ObjectInfo(key, int(field(r, "ContentLength", t)), field(r, "LastModified", t).timestamp())
 
     def stat(self, key: str) -> ObjectInfo:
         return self._stat(key, self._key(key), self._deadline())
@@ -508,22 +512,23 @@ class S3Store:
         callers both see True."""
         full = self._key(key)
         body = bytes(data)
-        deadline = self._deadline()
+        t = self._target("creating", full)
         tries = 0
 
         def attempt() -> bool:
             nonlocal tries
             tries += 1
             try:
-                self.client.put_object(Bucket=self.bucket, Key=full, Body=body, IfNoneMatch="*")
-                return True
+                answer = self.client.put_object(Bucket=self.bucket, Key=full, Body=body, IfNoneMatch="*")
             except bex.ClientError as exc:
                 code, status = client_error_code(exc)
                 if code != "PreconditionFailed" and status != 412:
                     raise
-            return tries > 1 and self.client.get_object(Bucket=self.bucket, Key=full)["Body"].read() == body
+                return tries > 1 and self.client.get_object(Bucket=self.bucket, Key=full)["Body"].read() == body
+            field(answer, "ETag", t)  # S3 always sends one
+            return True
 
-        return self._attempts(self._target("creating", full), deadline, attempt)
+        return self._attempts(t, self._deadline(), attempt)
 
     def delete_prefix(self, prefix: str) -> int:
         keys = self.list(prefix)
@@ -564,11 +569,12 @@ class S3Store:
         while True:
             page = self._request(t, deadline, self.client.list_multipart_uploads, **kw)
             ups = page.get("Uploads", [])
-            out.extend(Upload(u["Key"], u["UploadId"], now - u["Initiated"].timestamp()) for u in ups)
+            out.extend(Upload(field(u, "Key", t), field(u, "UploadId", t), now - field(u, "Initiated", t).timestamp())
+                       for u in ups)
             if not page.get("IsTruncated") or not ups:
                 return out
             # Not every server sends NextKeyMarker: the last upload of the page is the same marker.
-            marker = (page.get("NextKeyMarker") or ups[-1]["Key"], page.get("NextUploadIdMarker") or ups[-1]["UploadId"])
+            marker = (page.get("NextKeyMarker") or out[-1].key, page.get("NextUploadIdMarker") or out[-1].upload_id)
             if marker in seen:
                 return out
             seen.add(marker)

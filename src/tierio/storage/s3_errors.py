@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 from dataclasses import dataclass
+from typing import Any
 
 import botocore.exceptions as bex
 import urllib3.exceptions as u3
@@ -59,6 +60,15 @@ class Target:
     what: str  # "listing", "reading", ...
     where: str  # s3://bucket/key
     endpoint: str
+
+
+def field(answer: Any, name: str, t: Target) -> Any:
+    """``answer[name]``, or a StorageError when an endpoint's answer lacks it (not an S3 server?)."""
+    try:
+        return answer[name]
+    except (KeyError, TypeError, IndexError):
+        raise StorageError(f"S3 endpoint {t.endpoint} answered {t.what} {t.where} without {name}; "
+                           "check that the endpoint is an S3 server") from None
 
 
 def client_error_code(exc: BaseException) -> tuple[str, int | None]:
