@@ -1,11 +1,14 @@
-"""Promotion to a real S3 server (SeaweedFS), including the server dying during promotion."""
+"""Promotion to a real S3 server (SeaweedFS), including the server dying during promotion and
+connections dropped during a restore."""
 
 from __future__ import annotations
 
 import shutil
 import warnings
 
+import pytest
 import torch
+from faulty_endpoints import Fault, FaultyProxy, ranged_get, via
 
 from tierio.ckpt import CheckpointManager, list_checkpoints, verify
 from tierio.format.shard import manifest_key, shard_key
@@ -51,3 +54,23 @@ def test_s3_outage_during_promotion_keeps_local_copy_and_retries(tmp_path, s3_ur
         assert s3.exists(shard_key(2, 0)) and [c.step for c in list_checkpoints(s3_url)] == [1, 2]
         report = mgr.verify(2)
         assert report.ok and len(report.good_tiers) == 2
+
+
+@pytest.mark.timeout(300)
+def test_restore_from_s3_survives_dropped_connections(tmp_path, s3_url, seaweed):
+    """Connections cut mid-download are retried, not reported as a corrupt checkpoint."""
+    with CheckpointManager([tmp_path / "nvme", s3_url]) as mgr:
+        mgr.save(1, state_for(1)).wait()
+    shutil.rmtree(tmp_path / "nvme")
+
+    def cut_three_shard_reads(line: str) -> Fault | None:  # small header reads pass whole; large ones are cut
+        big_read = ranged_get(line) and ".safetensors" in line and len(proxy.cuts) < 3
+        return Fault(cut_after=200_000) if big_read else None
+
+    proxy = FaultyProxy(seaweed.endpoint, cut_three_shard_reads)
+    try:
+        with CheckpointManager([tmp_path / "nvme", via(proxy.endpoint, s3_url)]) as mgr:
+            out = mgr.restore()
+        assert torch.equal(out["w"], state_for(1)["w"]) and len(proxy.cuts) >= 3  # more when cut in parallel
+    finally:
+        proxy.close()

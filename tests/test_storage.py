@@ -146,3 +146,5 @@ def test_s3_server_stopped_mid_upload_leaves_no_object(seaweed, s3_url):
                 raise
             time.sleep(0.5)
     assert "big.bin" not in keys
+    s2.cleanup()  # whatever upload the dead server kept is aborted now that it is back
+    assert s2.client.list_multipart_uploads(Bucket=s2.bucket).get("Uploads", []) == []

@@ -12,15 +12,15 @@ from tierio.storage.local import LocalStore
 from tierio.storage.url import open_store
 
 if TYPE_CHECKING:
-    from tierio.storage.s3 import S3Store
+    from tierio.storage.s3 import S3Options, S3Store
 
 
 def __getattr__(name: str) -> Any:
-    if name == "S3Store":
-        from tierio.storage.s3 import S3Store
+    if name in ("S3Store", "S3Options"):
+        from tierio.storage import s3
 
-        return S3Store
+        return getattr(s3, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ObjectInfo", "Store", "LocalStore", "S3Store", "open_store", "read_bytes"]
+__all__ = ["LocalStore", "ObjectInfo", "S3Options", "S3Store", "Store", "open_store", "read_bytes"]

@@ -1,7 +1,10 @@
 """The Store protocol: one interface for every tier (local NVMe, shared filesystem, S3).
 
 Keys are '/'-separated relative names ("step_000000100/rank_00000.safetensors"). A write is
-all-or-nothing: readers never see a partial object under its final key.
+all-or-nothing: readers never see a partial object under its final key. A store never hands a
+caller a key that ``check_key`` refuses, whatever names its medium holds. Calls on a remote store
+end within the store's deadline, with a result or a typed error (StoreUnavailableError when the
+endpoint stops answering).
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ class Store(Protocol):
         ...
 
     def read_into(self, key: str, offset: int, buf: memoryview) -> int:
-        """Fill ``buf`` with the bytes at [offset, offset+len(buf)); returns len(buf)."""
+        """Fill ``buf`` with the bytes at [offset, offset+len(buf)); returns len(buf). An object
+        shorter than that range is an IntegrityError; a connection lost on the way is retried."""
         ...
 
     def get_file(self, key: str, path: str | Path) -> int:
@@ -46,7 +50,8 @@ class Store(Protocol):
         ...
 
     def list(self, prefix: str = "") -> list[str]:
-        """Every key under ``prefix``, sorted; no pagination limit."""
+        """Every key under ``prefix``, sorted; no pagination limit. Names that are not safe keys
+        (empty, '.' or '..' parts, a leading '/') are skipped with a warning, never returned."""
         ...
 
     def stat(self, key: str) -> ObjectInfo:
@@ -61,7 +66,8 @@ class Store(Protocol):
 
     def create_exclusive(self, key: str, data: bytes) -> bool:
         """Write a small object under ``key`` only if no object is there yet (O_EXCL on a
-        filesystem, a conditional PUT on S3); True when this call created it. For leases/markers."""
+        filesystem, a conditional PUT on S3); True when this call created it. For leases/markers:
+        make ``data`` unique to the caller, so a retried create can recognise its own object."""
         ...
 
     def capacity(self) -> tuple[int, int] | None:
@@ -75,7 +81,8 @@ class Store(Protocol):
 
     def cleanup(self, prefix: str = "", older_than: float = 0.0) -> int:
         """Remove what interrupted writes left under ``prefix`` and no live writer owns (temp files;
-        multipart uploads on S3), untouched for at least ``older_than`` seconds; returns the count."""
+        multipart uploads on S3), untouched for at least ``older_than`` seconds; returns the count.
+        S3 cannot tell which uploads a live writer owns: there ``older_than`` is the only guard."""
         ...
 
     def close(self) -> None:

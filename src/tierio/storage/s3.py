@@ -3,18 +3,30 @@
 Large objects move as parallel parts: multipart upload with ``concurrency`` parts in flight, and
 parallel ranged GETs read straight into the caller's buffer. An object appears under its final key
 only when CompleteMultipartUpload (or a single PUT) succeeds, so a failed upload leaves nothing
-visible; the upload is aborted so no parts linger. botocore's "standard" retry mode retries
-throttling and 5xx answers with exponential backoff.
+visible; the upload is aborted so no parts linger (when the endpoint is gone, ``cleanup`` aborts it
+later).
+
+Every call ends within its deadline (``S3Options.timeout`` seconds after the endpoint last
+answered, see ``storage.deadline``) with a result or a typed error: each request is bounded by the
+connect and read timeouts, and is tried again - throttling, 5xx answers, timeouts, connections
+dropped mid-body (the rest of the range is asked for again) - only while another whole attempt
+still fits. botocore's own retries are off so that nothing retries behind the deadline's back.
+
+An S3Store is not fork-safe (boto3 clients and the part threads do not survive ``fork``): open a
+new store in a child process.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,8 +35,7 @@ import botocore.exceptions as bex
 from botocore.config import Config
 
 from tierio.errors import (
-    AuthError,
-    BucketNotFoundError,
+    ConfigError,
     IntegrityError,
     NotFoundError,
     StorageError,
@@ -35,16 +46,89 @@ from tierio.io.durable import fsync_dir, temp_name
 from tierio.io.files import open_file, os_error
 from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Buffer, ObjectInfo, check_key
+from tierio.storage.deadline import Deadline, backoff, run_all
+from tierio.storage.s3_errors import (
+    FAILURES,
+    ShortBody,
+    Target,
+    classify,
+    client_error_code,
+    field,
+)
+from tierio.storage.url import check_endpoint
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MiB = 1 << 20
+UPLOAD_PAGE = 1000  # multipart uploads asked for per listing page (the S3 maximum)
+EXPECT_WAIT = 1.0  # botocore waits this long for "100 Continue" before it sends an upload's body anyway
+READ_CHUNK = 1 * MiB  # a body is read in pieces so a cancelled call stops between them
 
-_AUTH_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken", "ExpiredToken"}
-_MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
+
+@dataclass(frozen=True)
+class S3Options:
+    """How an S3Store moves bytes and how long it waits for its endpoint.
+
+    ``timeout`` is the deadline of every store call: the longest it waits without the endpoint
+    completing a request. One attempt of a request takes at most ``connect_timeout`` to connect and
+    ``read_timeout`` of silence; both are shortened to fit in ``timeout``, and a request is tried
+    again (up to ``max_attempts``) only when a whole attempt still fits before the deadline.
+    """
+
+    part_size: int = 8 * MiB
+    concurrency: int = 16
+    max_attempts: int = 5
+    timeout: float = 60.0
+    connect_timeout: float = 5.0
+    read_timeout: float = 20.0
+
+    def checked(self) -> S3Options:
+        for name in ("part_size", "concurrency", "max_attempts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"S3 option {name}={value!r} must be a positive integer")
+        for name in ("timeout", "connect_timeout", "read_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"S3 option {name}={value!r} must be a positive number of seconds")
+        connect = min(self.connect_timeout, self.timeout / 4)
+        return replace(
+            self,
+            part_size=align_up(max(5 * MiB, self.part_size), MiB),  # S3 minimum; aligned for O_DIRECT
+            connect_timeout=connect,
+            read_timeout=min(self.read_timeout, self.timeout - connect - min(EXPECT_WAIT, self.timeout / 4)),
+        )
+
+    @property
+    def attempt_seconds(self) -> float:
+        """The longest one attempt of a request can wait on a silent endpoint."""
+        return self.connect_timeout + EXPECT_WAIT + self.read_timeout
+
+
+def s3_options(options: S3Options | None, overrides: dict[str, Any]) -> S3Options:
+    """``options`` (or the defaults) with keyword ``overrides`` applied, checked."""
+    known = {f.name for f in fields(S3Options)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ConfigError(f"unknown S3 option(s) {unknown}; known: {sorted(known)}")
+    return replace(options or S3Options(), **overrides).checked()
+
+
+@dataclass(frozen=True)
+class Upload:
+    """One multipart upload in progress, as a listing reports it."""
+
+    key: str  # the full object key, prefix included
+    upload_id: str
+    age: float  # seconds since it was started (server clock against ours)
 
 
 class S3Store:
+    """A bucket and a key prefix on an S3 endpoint; see the module docstring for deadlines.
+
+    ``options`` (an S3Options) or its fields as keywords (``part_size=``, ``timeout=``, ...) tune
+    the transfer and the deadline."""
+
     def __init__(
         self,
         bucket: str,
@@ -52,28 +136,29 @@ class S3Store:
         *,
         endpoint: str | None = None,
         region: str | None = None,
-        part_size: int = 8 * MiB,
-        concurrency: int = 16,
-        max_attempts: int = 5,
+        options: S3Options | None = None,
         limiter: TokenBucket | None = None,
+        **overrides: Any,
     ) -> None:
         if not bucket:
             raise StorageError("an S3 URL needs a bucket: s3://BUCKET/prefix")
+        self.options = s3_options(options, overrides)
         self.bucket = bucket
         self.prefix = prefix.strip("/")
-        self.endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        self.part_size = align_up(max(5 * MiB, part_size), MiB)  # S3 minimum; aligned for O_DIRECT
-        self.concurrency = max(1, concurrency)
+        self.endpoint = _endpoint(endpoint)
+        self.part_size = self.options.part_size
+        self.concurrency = self.options.concurrency
         self.limiter = limiter
+        o = self.options
         self.client = boto3.session.Session().client(
             "s3",
             endpoint_url=self.endpoint,
             region_name=region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
             config=Config(
                 max_pool_connections=self.concurrency * 2,
-                retries={"max_attempts": max_attempts, "mode": "standard"},
-                connect_timeout=5,
-                read_timeout=120,
+                retries={"total_max_attempts": 1, "mode": "standard"},  # retried here, within the deadline
+                connect_timeout=o.connect_timeout,
+                read_timeout=o.read_timeout,
                 s3={"addressing_style": "path"},
                 request_checksum_calculation="when_required",
                 response_checksum_validation="when_required",
@@ -92,37 +177,54 @@ class S3Store:
         check_key(key)
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def _call(self, what: str, key: str | None, fn: Callable[..., T], **kw: Any) -> T:
-        """Run one boto3 call, turning its exceptions into typed tierio errors."""
-        where = f"s3://{self.bucket}/{self._key(key)}" if key else f"s3://{self.bucket}"
-        try:
-            return fn(Bucket=self.bucket, **kw)
-        except (bex.EndpointConnectionError, bex.ConnectTimeoutError, bex.ReadTimeoutError, bex.ConnectionClosedError) as exc:
-            raise StoreUnavailableError(
-                f"S3 endpoint {self.endpoint or 'default AWS'} did not answer while {what} {where} ({exc}); "
-                "check that the server is running and the endpoint URL is right"
-            ) from None
-        except bex.NoCredentialsError:
-            raise AuthError(f"no S3 credentials for {where}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY") from None
-        except bex.ClientError as exc:
-            err = exc.response.get("Error", {})
-            code = str(err.get("Code", ""))
-            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if code == "NoSuchBucket":
-                raise BucketNotFoundError(f"bucket {self.bucket!r} does not exist at {self.endpoint or 'AWS'}; create it first") from None
-            if code in _AUTH_CODES or status == 403:
-                raise AuthError(f"S3 refused the credentials while {what} {where} ({code}): check the access key and secret") from None
-            if code in _MISSING_CODES or status == 404:
-                raise NotFoundError(f"{where} does not exist (while {what})") from None
-            raise StorageError(f"S3 error while {what} {where}: {code} {err.get('Message', '')}".strip()) from None
-        except bex.BotoCoreError as exc:
-            raise StorageError(f"S3 client error while {what} {where}: {exc}") from None
+    def _target(self, what: str, full_key: str | None = None) -> Target:
+        where = f"s3://{self.bucket}/{full_key}" if full_key else f"s3://{self.bucket}"
+        return Target(what, where, self.endpoint or "default AWS")
+
+    def _deadline(self) -> Deadline:
+        return Deadline(self.options.timeout)
+
+    def _attempts(self, t: Target, deadline: Deadline, attempt: Callable[[], T]) -> T:
+        """Run ``attempt`` until it succeeds, fails for good, or another try would overrun ``deadline``."""
+        tries = 0
+        while True:
+            deadline.check()
+            tries += 1
+            try:
+                result = attempt()
+            except FAILURES as exc:
+                failure = classify(exc, t)
+                if not failure.transient:
+                    raise failure.error from None
+                pause = backoff(tries)
+                if tries < self.options.max_attempts and not deadline.cancelled \
+                        and deadline.allows(pause + self.options.attempt_seconds):
+                    log.debug("retrying %s %s after %s", t.what, t.where, failure.reason)
+                    time.sleep(pause)
+                    continue
+                raise StoreUnavailableError(
+                    f"S3 endpoint {t.endpoint} {'kept failing' if failure.answered else 'did not answer in time'} "
+                    f"while {t.what} {t.where}: {tries} attempt(s) "
+                    f"over {deadline.elapsed():.1f} s, the last failed with {failure.reason}; check that the server is "
+                    f"running and reachable, or give it more time with ?timeout=SECONDS on the store URL "
+                    f"(now {self.options.timeout:g} s)"
+                ) from None
+            deadline.progress()
+            return result
+
+    def _request(self, t: Target, deadline: Deadline, fn: Callable[..., T], **kw: Any) -> T:
+        """One boto3 call on this bucket, retried within ``deadline``; typed errors only."""
+        return self._attempts(t, deadline, lambda: fn(Bucket=self.bucket, **kw))
+
+    def _consume(self, n: int) -> None:
+        if self.limiter:
+            self.limiter.consume(n)
 
     # -- bucket ------------------------------------------------------------------------------
     def create_bucket(self) -> None:
         """Create the bucket if it does not exist (for demos and tests)."""
         try:
-            self._call("creating bucket", None, self.client.create_bucket)
+            self._request(self._target("creating bucket"), self._deadline(), self.client.create_bucket)
         except StorageError as exc:
             if "BucketAlreadyOwnedByYou" not in str(exc) and "BucketAlreadyExists" not in str(exc):
                 raise
@@ -184,78 +286,136 @@ class S3Store:
 
     def _upload(self, key: str, total: int, part: Callable[[int, int], bytes | bytearray]) -> int:
         full = self._key(key)
+        deadline = self._deadline()
         if total <= self.part_size:
             body = part(0, total)
-            if self.limiter:
-                self.limiter.consume(total)
-            self._call("uploading", key, self.client.put_object, Key=full, Body=body)
+            self._consume(total)
+            t = self._target("uploading", full)
+            field(self._request(t, deadline, self.client.put_object, Key=full, Body=body), "ETag", t)  # S3 always sends one
             return total
-        up = self._call("starting upload of", key, self.client.create_multipart_upload, Key=full)
-        upload_id = up["UploadId"]
+        t = self._target("starting upload of", full)
+        upload_id = field(self._request(t, deadline, self.client.create_multipart_upload, Key=full), "UploadId", t)
 
-        def send(number: int, offset: int) -> dict:
+        def send(item: tuple[int, int]) -> dict:
+            number, offset = item
             n = min(self.part_size, total - offset)
             body = part(offset, n)
-            if self.limiter:
-                self.limiter.consume(n)
-            r = self._call("uploading part of", key, self.client.upload_part, Key=full, UploadId=upload_id, PartNumber=number, Body=body)
-            return {"PartNumber": number, "ETag": r["ETag"]}
+            self._consume(n)
+            t = self._target(f"uploading part {number} of", full)
+            r = self._request(t, deadline, self.client.upload_part, Key=full, UploadId=upload_id, PartNumber=number, Body=body)
+            return {"PartNumber": number, "ETag": field(r, "ETag", t)}
 
         try:
-            offsets = range(0, total, self.part_size)
-            parts = list(self._pool.map(send, range(1, len(offsets) + 1), offsets))
-            self._call(
-                "completing upload of", key, self.client.complete_multipart_upload,
-                Key=full, UploadId=upload_id, MultipartUpload={"Parts": parts},
-            )
+            parts = run_all(self._pool, send, enumerate(range(0, total, self.part_size), 1), deadline)
+            self._complete(full, upload_id, parts, total, deadline)
         except BaseException:
-            try:  # best effort: a dead server cannot abort, and its parts were never visible anyway
-                self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
-            except Exception:
-                pass
+            self._abort(full, upload_id, deadline)
             raise
         return total
 
-    # -- reads -------------------------------------------------------------------------------
-    def _get_range(self, key: str, offset: int, view: memoryview) -> None:
-        n = len(view)
-        r = self._call("reading", key, self.client.get_object, Key=self._key(key), Range=f"bytes={offset}-{offset + n - 1}")
-        body = r["Body"]
-        raw = getattr(body, "_raw_stream", None)
-        pos = 0
+    def _complete(self, full: str, upload_id: str, parts: list[dict], total: int, deadline: Deadline) -> None:
+        tries = 0
+
+        def attempt() -> None:
+            nonlocal tries
+            tries += 1
+            try:
+                self.client.complete_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id,
+                                                      MultipartUpload={"Parts": parts})
+            except bex.ClientError as exc:
+                # An earlier attempt may have completed the upload and lost only its answer: the
+                # upload is then gone and the object is there, with this upload's size.
+                if tries == 1 or client_error_code(exc)[0] != "NoSuchUpload" or self._size(full) != total:
+                    raise
+
+        self._attempts(self._target("completing upload of", full), deadline, attempt)
+
+    def _size(self, full: str) -> int | None:
         try:
-            if raw is not None and hasattr(raw, "readinto"):
-                while pos < n:  # read straight into the caller's memory
-                    got = raw.readinto(view[pos:])
-                    if not got:
+            return int(self.client.head_object(Bucket=self.bucket, Key=full)["ContentLength"])
+        except bex.ClientError:
+            return None
+
+    def _abort(self, full: str, upload_id: str, deadline: Deadline) -> None:
+        """Best effort, once, and only while the deadline allows: a dead endpoint cannot abort
+        anything, and ``cleanup`` aborts what is left once it is back."""
+        if not deadline.allows(self.options.attempt_seconds):
+            log.warning("left the multipart upload of s3://%s/%s for cleanup: %s has no time left to abort it",
+                        self.bucket, full, self.endpoint)
+            return
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+        except FAILURES as exc:
+            log.warning("could not abort the multipart upload of s3://%s/%s (%s); cleanup aborts it later",
+                        self.bucket, full, exc)
+
+    # -- reads -------------------------------------------------------------------------------
+    def _get_range(self, full: str, offset: int, view: memoryview, deadline: Deadline) -> None:
+        """Fill ``view`` with the object's bytes from ``offset``. A connection that ends early is
+        asked again for the rest (with If-Match, so a replaced object is never spliced in); an
+        object that is itself shorter than the range is an IntegrityError."""
+        n = len(view)
+        t = self._target("reading", full)
+        got = 0
+        etag: str | None = None
+
+        def attempt() -> None:
+            nonlocal got, etag
+            want = f"bytes={offset + got}-{offset + n - 1}"
+            try:
+                same = {"IfMatch": etag} if etag else {}
+                r = self.client.get_object(Bucket=self.bucket, Key=full, Range=want, **same)
+            except bex.ClientError as exc:
+                if etag and client_error_code(exc)[1] == 412:
+                    raise IntegrityError(
+                        f"{t.where} was replaced while it was being read (no longer ETag {etag}); read it again") from None
+                raise
+            etag = etag or r.get("ETag")
+            body = r["Body"]
+            try:
+                length = int(r.get("ContentLength", n - got))
+                if offset + got and not r.get("ContentRange"):
+                    raise StorageError(f"S3 endpoint {t.endpoint} ignored the Range header while reading {t.where}")
+                if length < n - got:
+                    raise IntegrityError(
+                        f"{t.where}: asked for {want} but the object holds only {r.get('ContentRange', length)}; "
+                        "it is shorter than expected (it changed size, or the size recorded for it is wrong)")
+                raw = getattr(body, "_raw_stream", body)
+                while got < n:
+                    deadline.check()
+                    piece = view[got : min(n, got + READ_CHUNK)]
+                    k = raw.readinto(piece) if hasattr(raw, "readinto") else _read_to(raw, piece)
+                    if not k:
                         break
-                    pos += got
-            else:
-                data = body.read()
-                pos = min(len(data), n)
-                view[:pos] = data[:pos]
-        except (OSError, bex.BotoCoreError) as exc:
-            raise StoreUnavailableError(f"connection lost while reading s3://{self.bucket}/{self._key(key)}: {exc}") from None
-        finally:
-            body.close()
-        if pos != n:
-            raise IntegrityError(f"s3://{self.bucket}/{self._key(key)}: got {pos} of {n} bytes at offset {offset}; the object is shorter than expected")
-        if self.limiter:
-            self.limiter.consume(n)
+                    got += k
+            finally:
+                body.close()
+            if got < n:
+                raise ShortBody(f"the connection closed after {got} of {n} bytes")
+
+        self._attempts(t, deadline, attempt)
+        self._consume(n)
 
     def read_into(self, key: str, offset: int, buf: memoryview) -> int:
         view = memoryview(buf).cast("B")
         n = len(view)
         if n == 0:
             return 0
-        starts = range(0, n, self.part_size)
-        list(self._pool.map(lambda s: self._get_range(key, offset + s, view[s : s + self.part_size]), starts))
+        full = self._key(key)
+        deadline = self._deadline()
+        if n <= self.part_size:
+            self._get_range(full, offset, view, deadline)
+        else:
+            run_all(self._pool, lambda s: self._get_range(full, offset + s, view[s : s + self.part_size], deadline),
+                    range(0, n, self.part_size), deadline)
         return n
 
     def get_file(self, key: str, path: str | Path) -> int:
         """Download to ``path`` atomically: parallel ranged GETs into reused aligned buffers, each
         written with O_DIRECT at its offset (no page-cache writeback to wait for at fsync)."""
-        size = self.stat(key).size
+        full = self._key(key)
+        deadline = self._deadline()
+        size = self._stat(key, full, deadline).size
         final = Path(path)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = temp_name(final)
@@ -266,7 +426,7 @@ class S3Store:
                 if hb is None or hb.capacity < align_up(self.part_size):
                     hb = self._local.hb = HostBuffer(align_up(self.part_size))
                 n = min(self.part_size, size - offset)
-                self._get_range(key, offset, hb.view[:n])
+                self._get_range(full, offset, hb.view[:n], deadline)
                 m = n
                 if direct:
                     m = align_up(n)
@@ -276,7 +436,7 @@ class S3Store:
                 except OSError as exc:
                     raise os_error(exc, final, "writing") from exc
 
-            list(self._pool.map(fetch, range(0, size, self.part_size)))
+            run_all(self._pool, fetch, range(0, size, self.part_size), deadline)
             if direct and size % ALIGN:
                 os.ftruncate(fd, size)
             os.fsync(fd)
@@ -291,23 +451,46 @@ class S3Store:
 
     # -- metadata ----------------------------------------------------------------------------
     def list(self, prefix: str = "") -> list[str]:
+        """Every key under ``prefix``, sorted. Objects whose names are not safe relative keys (an
+        empty, '.' or '..' part, a leading '/', a backslash: "a//b", "dir/", "a/../b") are skipped
+        with a warning, so no caller can turn one into a path outside its directory."""
         base = f"{self.prefix}/" if self.prefix else ""
+        t = self._target("listing", base + prefix)
+        deadline = self._deadline()
         keys: list[str] = []
+        refused: list[str] = []
         token: str | None = None
         while True:  # paginate: S3 returns at most 1,000 keys per call
             kw: dict[str, Any] = {"Prefix": base + prefix}
             if token:
                 kw["ContinuationToken"] = token
-            page = self._call("listing", None, self.client.list_objects_v2, **kw)
-            keys.extend(o["Key"][len(base) :] for o in page.get("Contents", []))
+            page = self._request(t, deadline, self.client.list_objects_v2, **kw)
+            for o in page.get("Contents", []):
+                name = str(o.get("Key", ""))
+                key = name[len(base) :] if name.startswith(base) else ""
+                if _safe_key(key):
+                    keys.append(key)
+                else:
+                    refused.append(name)
             if not page.get("IsTruncated"):
                 break
-            token = page["NextContinuationToken"]
+            token = page.get("NextContinuationToken")
+            if not token:
+                raise StorageError(f"S3 endpoint {t.endpoint} cut the listing of {t.where} short without a continuation token")
+        if refused:
+            warnings.warn(
+                f"skipped {len(refused)} object(s) in s3://{self.bucket} whose names are not safe keys "
+                f"(e.g. {refused[:3]}): empty, '.' or '..' parts, a leading '/' or a backslash; rename or delete them",
+                RuntimeWarning, stacklevel=2)
         return sorted(keys)
 
+    def _stat(self, key: str, full: str, deadline: Deadline) -> ObjectInfo:
+        t = self._target("reading metadata of", full)
+        r = self._request(t, deadline, self.client.head_object, Key=full)
+        return ObjectInfo(key, int(field(r, "ContentLength", t)), field(r, "LastModified", t).timestamp())
+
     def stat(self, key: str) -> ObjectInfo:
-        r = self._call("reading metadata of", key, self.client.head_object, Key=self._key(key))
-        return ObjectInfo(key, int(r["ContentLength"]), r["LastModified"].timestamp())
+        return self._stat(key, self._key(key), self._deadline())
 
     def exists(self, key: str) -> bool:
         try:
@@ -317,17 +500,35 @@ class S3Store:
             return False
 
     def delete(self, key: str) -> None:
-        self._call("deleting", key, self.client.delete_object, Key=self._key(key))
+        full = self._key(key)
+        self._request(self._target("deleting", full), self._deadline(), self.client.delete_object, Key=full)
 
     def create_exclusive(self, key: str, data: bytes) -> bool:
-        """A conditional PUT (If-None-Match: *): S3 answers 412 when the key exists."""
-        try:
-            self._call("creating", key, self.client.put_object, Key=self._key(key), Body=bytes(data), IfNoneMatch="*")
-        except StorageError as exc:
-            if "PreconditionFailed" in str(exc) or "412" in str(exc):
-                return False
-            raise
-        return True
+        """A conditional PUT (If-None-Match: *): S3 answers 412 when the key exists.
+
+        When an attempt's answer is lost and the retry finds the key taken, the object is read back:
+        if it holds ``data`` this call created it, so make ``data`` unique to the caller (a run id, a
+        host and pid). SeaweedFS and AWS S3 honour the condition; a server that ignores it lets two
+        callers both see True."""
+        full = self._key(key)
+        body = bytes(data)
+        t = self._target("creating", full)
+        tries = 0
+
+        def attempt() -> bool:
+            nonlocal tries
+            tries += 1
+            try:
+                answer = self.client.put_object(Bucket=self.bucket, Key=full, Body=body, IfNoneMatch="*")
+            except bex.ClientError as exc:
+                code, status = client_error_code(exc)
+                if code != "PreconditionFailed" and status != 412:
+                    raise
+                return tries > 1 and self.client.get_object(Bucket=self.bucket, Key=full)["Body"].read() == body
+            field(answer, "ETag", t)  # S3 always sends one
+            return True
+
+        return self._attempts(t, self._deadline(), attempt)
 
     def delete_prefix(self, prefix: str) -> int:
         keys = self.list(prefix)
@@ -338,21 +539,73 @@ class S3Store:
 
     def cleanup(self, prefix: str = "", older_than: float = 0.0) -> int:
         """Abort multipart uploads under ``prefix`` started at least ``older_than`` seconds ago
-        (their parts are invisible but cost storage until aborted); returns how many."""
+        (their parts are invisible but cost storage until aborted); returns how many.
+
+        S3 does not say which uploads a live writer still owns: pass an ``older_than`` longer than
+        any upload takes. Ages compare the server's start time with this host's clock."""
         base = f"{self.prefix}/" if self.prefix else ""
-        page = self._call("listing uploads under", None, self.client.list_multipart_uploads, Prefix=base + prefix)
+        deadline = self._deadline()
+        aborted: set[tuple[str, str]] = set()
+        while True:  # list again after aborting: some servers page uploads unreliably
+            stale = [u for u in self._uploads(base + prefix, deadline)
+                     if u.age >= older_than and (u.key, u.upload_id) not in aborted]
+            if not stale:
+                return len(aborted)
+            for u in stale:
+                try:
+                    self._request(self._target("aborting upload of", u.key), deadline,
+                                  self.client.abort_multipart_upload, Key=u.key, UploadId=u.upload_id)
+                except NotFoundError:
+                    pass  # completed or aborted by someone else meanwhile
+                aborted.add((u.key, u.upload_id))
+
+    def _uploads(self, prefix: str, deadline: Deadline) -> list[Upload]:
+        """One pass over the multipart uploads under the full-key ``prefix``, page by page."""
+        t = self._target("listing uploads under", prefix)
+        kw: dict[str, Any] = {"Prefix": prefix, "MaxUploads": UPLOAD_PAGE}
+        out: list[Upload] = []
+        seen: set[tuple[str, str]] = set()
         now = time.time()
-        aborted = 0
-        for up in page.get("Uploads", []):
-            if now - up["Initiated"].timestamp() < older_than:
-                continue
-            self._call("aborting upload of", up["Key"][len(base):], self.client.abort_multipart_upload,
-                       Key=up["Key"], UploadId=up["UploadId"])
-            aborted += 1
-        return aborted
+        while True:
+            page = self._request(t, deadline, self.client.list_multipart_uploads, **kw)
+            ups = page.get("Uploads", [])
+            out.extend(Upload(field(u, "Key", t), field(u, "UploadId", t), now - field(u, "Initiated", t).timestamp())
+                       for u in ups)
+            if not page.get("IsTruncated") or not ups:
+                return out
+            # Not every server sends NextKeyMarker: the last upload of the page is the same marker.
+            marker = (page.get("NextKeyMarker") or out[-1].key, page.get("NextUploadIdMarker") or out[-1].upload_id)
+            if marker in seen:
+                return out
+            seen.add(marker)
+            kw["KeyMarker"], kw["UploadIdMarker"] = marker
 
     def capacity(self) -> tuple[int, int] | None:
         return None  # an object store has no size to fill
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _endpoint(given: str | None) -> str | None:
+    """The endpoint URL to use, checked: a malformed one is a ConfigError here, not a traceback later."""
+    if given:
+        return check_endpoint(given, "endpoint=")
+    for var in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        if os.environ.get(var):
+            return check_endpoint(os.environ[var], f"${var}")
+    return None
+
+
+def _safe_key(key: str) -> bool:
+    try:
+        check_key(key)
+        return True
+    except ConfigError:
+        return False
+
+
+def _read_to(stream: Any, view: memoryview) -> int:
+    data = stream.read(len(view))
+    view[: len(data)] = data
+    return len(data)

@@ -115,9 +115,12 @@ class SeaweedServer:
         """Ready once S3 answers and a bucket can be created and written (volumes are up)."""
         try:
             import boto3
+            from botocore.config import Config
 
+            # Short timeouts, no retries: a server still starting must not hold up start()'s own deadline.
+            quick = Config(connect_timeout=2, read_timeout=10, retries={"total_max_attempts": 1})
             c = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.access_key,
-                             aws_secret_access_key=self.secret_key, region_name="us-east-1")
+                             aws_secret_access_key=self.secret_key, region_name="us-east-1", config=quick)
             try:
                 c.create_bucket(Bucket="tierio-ready")
             except (c.exceptions.BucketAlreadyOwnedByYou, c.exceptions.BucketAlreadyExists):

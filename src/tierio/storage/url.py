@@ -3,14 +3,17 @@
     /mnt/nvme/ckpt                        LocalStore
     file:///mnt/lustre/ckpt               LocalStore
     s3://bucket/prefix                    S3Store, endpoint from AWS_ENDPOINT_URL (or AWS)
-    s3://bucket/prefix?endpoint=http://127.0.0.1:8333&region=us-east-1
+    s3://bucket/prefix?endpoint=http://127.0.0.1:8333&region=us-east-1&timeout=30
+
+``timeout`` is the S3 store's deadline in seconds (see ``S3Options``).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlparse
+from urllib.parse import parse_qs, unquote, urlparse, urlsplit
 
 from tierio.errors import ConfigError
 from tierio.storage.base import Store
@@ -28,11 +31,40 @@ def open_store(url: str | Path, **options: Any) -> Store:
             raise ConfigError(f"{text}: file URLs must be file:///absolute/path")
         return LocalStore(unquote(u.path), **options)
     if u.scheme == "s3":
-        q = {k: v[-1] for k, v in parse_qs(u.query).items()}
-        unknown = set(q) - {"endpoint", "region"}
+        q = {k: v[-1] for k, v in parse_qs(u.query, keep_blank_values=True).items()}
+        unknown = set(q) - {"endpoint", "region", "timeout"}
         if unknown:
-            raise ConfigError(f"{text}: unknown S3 URL option(s) {sorted(unknown)}; use endpoint= and region=")
+            raise ConfigError(f"{text}: unknown S3 URL option(s) {sorted(unknown)}; use endpoint=, region= and timeout=")
+        if not u.netloc:
+            raise ConfigError(f"{text}: an S3 URL needs a bucket: s3://BUCKET/prefix")
+        if "endpoint" in q:
+            check_endpoint(q["endpoint"], f"the store URL {text}")
+        if "timeout" in q:
+            options = {"timeout": _seconds(q["timeout"], text), **options}
         from tierio.storage.s3 import S3Store  # boto3 is imported only for S3 URLs
 
         return S3Store(u.netloc, unquote(u.path).strip("/"), endpoint=q.get("endpoint"), region=q.get("region"), **options)
     raise ConfigError(f"unsupported store URL {text!r}: use a path, file:///path or s3://bucket/prefix")
+
+
+def _seconds(value: str, url: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigError(f"{url}: timeout={value!r} must be a positive number of seconds")
+    return seconds
+
+
+def check_endpoint(endpoint: str, source: str = "endpoint=") -> str:
+    """``endpoint`` if it is an http(s) URL with a host and a valid port; a ConfigError otherwise."""
+    hint = "give it as http(s)://HOST[:PORT], e.g. http://127.0.0.1:8333"
+    try:
+        u = urlsplit(endpoint)
+        _ = u.port  # raises ValueError for a port that is not a number in 0..65535
+    except ValueError as exc:
+        raise ConfigError(f"S3 endpoint {endpoint!r} (from {source}) is not a valid URL ({exc}); {hint}") from None
+    if u.scheme not in ("http", "https") or not u.hostname or u.query or u.fragment:
+        raise ConfigError(f"S3 endpoint {endpoint!r} (from {source}) is not an http(s) URL with a host; {hint}")
+    return endpoint

@@ -1,0 +1,152 @@
+"""Misbehaving S3 endpoints on loopback, for tests: a server that accepts connections and never
+answers, and a TCP proxy in front of the real SeaweedFS server that stalls chosen requests or
+drops their connection part-way through the answer. Real sockets, real server; nothing is mocked."""
+
+from __future__ import annotations
+
+import select
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+METHODS = (b"GET", b"PUT", b"POST", b"HEAD", b"DELETE")
+
+
+class StalledEndpoint:
+    """Accepts every connection and never reads or answers a byte."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=128)
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+
+    def close(self) -> None:
+        self.listener.close()
+        for c in self.conns:
+            c.close()
+
+
+@dataclass
+class Fault:
+    stall: bool = False  # swallow the request, never answer it
+    cut_after: int | None = None  # forward this many bytes of the answer, then drop the connection
+    reset: bool = False  # drop with a TCP reset instead of a clean close
+
+
+class FaultyProxy:
+    """A loopback TCP proxy in front of SeaweedFS; ``rule(request_line)`` picks a Fault per request."""
+
+    def __init__(self, upstream: str, rule: Callable[[str], Fault | None],
+                 on_cut: Callable[[str], None] | None = None) -> None:
+        host, port = upstream.removeprefix("http://").split(":")
+        self.upstream = (host, int(port))
+        self.rule = rule
+        self.on_cut = on_cut
+        self.requests: list[str] = []
+        self.stalled: list[str] = []
+        self.cuts: list[str] = []
+        self.lock = threading.Lock()
+        self.socks: list[socket.socket] = []
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=128)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.upstream)
+            self.socks += [client, upstream]
+            threading.Thread(target=self._relay, args=(client, upstream), daemon=True).start()
+
+    def _relay(self, client: socket.socket, upstream: socket.socket) -> None:
+        """One thread per connection, so a cut closes sockets no other thread is blocked on."""
+        fault: Fault | None = None
+        line, sent = "", 0
+        try:
+            while True:
+                ready, _, _ = select.select([client, upstream], [], [])
+                if client in ready:
+                    data = client.recv(1 << 16)
+                    if not data:
+                        return
+                    if data.split(b" ", 1)[0] in METHODS:  # a new request on this connection
+                        line, sent = data.split(b"\r\n", 1)[0].decode("latin-1"), 0
+                        with self.lock:
+                            self.requests.append(line)
+                            fault = self.rule(line)
+                            if fault and fault.stall:
+                                self.stalled.append(line)
+                    if not (fault and fault.stall):  # a stalled request is read and dropped, never answered
+                        upstream.sendall(data)
+                if upstream in ready:
+                    data = upstream.recv(1 << 16)
+                    if not data:
+                        return
+                    if fault and fault.cut_after is not None and sent + len(data) > fault.cut_after:
+                        self._cut(client, data[: fault.cut_after - sent], line, fault.reset)
+                        return
+                    client.sendall(data)
+                    sent += len(data)
+        except OSError:
+            pass
+        finally:
+            client.close()
+            upstream.close()
+
+    def _cut(self, client: socket.socket, last: bytes, line: str, reset: bool) -> None:
+        client.sendall(last)
+        with self.lock:
+            self.cuts.append(line)
+        if self.on_cut:  # while the client still waits for the rest
+            self.on_cut(line)
+        if reset:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    def close(self) -> None:
+        self.listener.close()
+        for s in self.socks:
+            s.close()
+
+
+def first(n: int, match: Callable[[str], bool], fault: Fault) -> Callable[[str], Fault | None]:
+    """A rule: ``fault`` for the first ``n`` requests whose line ``match``es, nothing for the rest."""
+    left = [n]
+
+    def rule(line: str) -> Fault | None:
+        if left[0] > 0 and match(line):
+            left[0] -= 1
+            return fault
+        return None
+
+    return rule
+
+
+def ranged_get(line: str) -> bool:
+    return line.startswith("GET ") and "list-type" not in line and "uploads" not in line
+
+
+def via(endpoint: str, s3_url: str, **query: object) -> str:
+    """``s3_url``'s bucket and prefix, reached through ``endpoint``."""
+    path = s3_url.split("://", 1)[1].split("?", 1)[0]
+    extra = "".join(f"&{k}={v}" for k, v in query.items())
+    return f"s3://{path}?endpoint={endpoint}{extra}"
