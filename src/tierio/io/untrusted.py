@@ -223,33 +223,32 @@ class Fields:
     def _w(self, key: str) -> str:
         return f"{self.where}: field {key!r}"
 
-    def int(self, key: str, lo: int = 0, hi: int = MAX_COUNT, default: Any = _MISSING) -> int:
+    def _checked(self, key: str, default: Any, check: Callable[..., Any], *args: Any) -> Any:
         v = self._get(key, default)
-        return v if v is default and default is not _MISSING else check_int(v, self._w(key), lo, hi)
+        if v is default and default is not _MISSING:
+            return v
+        return check(v, self._w(key), *args)
+
+    def int(self, key: str, lo: int = 0, hi: int = MAX_COUNT, default: Any = _MISSING) -> int:
+        return self._checked(key, default, check_int, lo, hi)
 
     def float(self, key: str, lo: float = -math.inf, hi: float = math.inf, default: Any = _MISSING) -> float:
-        v = self._get(key, default)
-        return v if v is default and default is not _MISSING else check_float(v, self._w(key), lo, hi)
+        return self._checked(key, default, check_float, lo, hi)
 
     def str(self, key: str, max_len: int = 4096, default: Any = _MISSING) -> str:
-        v = self._get(key, default)
-        return v if v is default and default is not _MISSING else check_str(v, self._w(key), max_len)
+        return self._checked(key, default, check_str, max_len)
 
     def hex(self, key: str, digits: int, default: Any = _MISSING) -> str:
-        v = self._get(key, default)
-        return v if v is default and default is not _MISSING else check_hex(v, self._w(key), digits)
+        return self._checked(key, default, check_hex, digits)
 
     def name(self, key: str, default: Any = _MISSING) -> str:
-        v = self._get(key, default)
-        return v if v is default and default is not _MISSING else check_plain_name(v, self._w(key))
+        return self._checked(key, default, check_plain_name)
 
     def list(self, key: str, max_len: int, default: Any = _MISSING) -> list:
-        v = self._get(key, default)
-        return v if v is default and default is not _MISSING else check_list(v, self._w(key), max_len)
+        return self._checked(key, default, check_list, max_len)
 
     def obj(self, key: str, default: Any = _MISSING) -> Fields:
-        v = self._get(key, default)
-        return v if v is default and default is not _MISSING else Fields(v, self._w(key))
+        return self._checked(key, default, Fields)
 
     def const(self, key: str, *allowed: Any) -> Any:
         v = self._get(key, _MISSING)
