@@ -1,7 +1,7 @@
 """The one windowed parallel read engine: aligned windows, several in flight, on one shared pool.
 
 Every loop in tierio that moves a large range of bytes has the same shape: the wanted byte ranges
-are merged into regions (holes smaller than a merge gap are read through rather than costing
+are merged into regions (holes up to a merge gap are read through rather than costing
 another request), each region is cut into windows that start on an alignment grid, and ``depth``
 windows are in flight at once while a per-window body reads the bytes and puts them where they
 belong. File reads and copies (io.files), checkpoint restores (storage.scatter) and weight loads
