@@ -6,6 +6,8 @@ import re
 
 from tierio.errors import ConfigError
 
+MiB = 1 << 20
+
 _UNITS = {
     "": 1, "b": 1,
     "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,

@@ -3,7 +3,8 @@
 Why: buffered writes copy every byte into the page cache and then wait on writeback at fsync;
 O_DIRECT moves the bytes from the caller's buffer to the device with no copy, and keeping several
 multi-MiB requests in flight keeps an NVMe queue full. Python's os.pwrite/os.preadv release the GIL,
-so a small thread pool is enough to saturate a disk.
+so the shared pool of the io engine (tierio.io.engine, which cuts the windows and keeps them in
+flight) is enough to saturate a disk.
 
 O_DIRECT needs buffer addresses, file offsets and lengths aligned to the logical block size (4 KiB
 is always safe). Aligned caller buffers (HostBuffer) are written in place; anything else goes
@@ -18,11 +19,11 @@ import errno
 import fcntl
 import logging
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -34,41 +35,37 @@ from tierio.errors import (
     PermissionDeniedError,
     StorageError,
 )
-from tierio.io.buffers import ALIGN, BufferPool, HostBuffer, address_of, align_down, align_up, shared_pool
+from tierio.io.buffers import (
+    ALIGN,
+    BufferPool,
+    HostBuffer,
+    address_of,
+    align_down,
+    align_up,
+    shared_pool,
+)
+from tierio.io.engine import (
+    Request,
+    Window,
+    Windowing,
+    executor,
+    read_range,
+    settle_all,
+    submit,
+)
 from tierio.io.limiter import TokenBucket
 from tierio.io.stats import IOStats, record
+from tierio.units import MiB
 
 log = logging.getLogger(__name__)
 
-MiB = 1 << 20
 DEFAULT_CHUNK = 8 * MiB
 DEFAULT_DEPTH = 8
 
-_executor: ThreadPoolExecutor | None = None
-_executor_lock = threading.Lock()
+__all__ = ["DEFAULT_CHUNK", "DEFAULT_DEPTH", "FileWriter", "bounce_pool", "copy_file", "executor", "hold_write_lock",
+           "open_file", "os_error", "pread_full", "pwrite_all", "read_file", "read_into", "write_file"]
+
 _warned_dirs: set[str] = set()
-
-
-def _reset_after_fork() -> None:
-    """A forked child (a DataLoader worker) inherits the thread pool object but none of its threads,
-    and possibly a lock held by a parent thread: start afresh so its first I/O does not hang.
-    (Buffer pools are reset the same way in io.buffers.)"""
-    global _executor, _executor_lock
-    _executor = None
-    _executor_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_after_fork)
-
-
-def executor() -> ThreadPoolExecutor:
-    """Shared pool for file requests (threads block in the kernel with the GIL released)."""
-    global _executor
-    with _executor_lock:
-        if _executor is None:
-            _executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="tierio-io")
-        return _executor
 
 
 def bounce_pool() -> BufferPool:
@@ -137,10 +134,13 @@ def pwrite_all(fd: int, view: memoryview, offset: int, path: str | Path) -> None
         offset += n
 
 
-def _pread_full(fd: int, view: memoryview, offset: int, path: str | Path) -> int:
-    """Read until ``view`` is full or EOF; returns the bytes read."""
+def pread_full(fd: int, view: memoryview, offset: int, path: str | Path, need: int | None = None) -> int:
+    """Read into ``view`` from ``offset`` until ``need`` bytes (default: all of ``view``) have
+    arrived or the file ends; returns the bytes read. Stopping at ``need`` spares an O_DIRECT read
+    of a file's padded tail a second request at an unaligned offset."""
+    need = len(view) if need is None else need
     done = 0
-    while done < len(view):
+    while done < need:
         try:
             n = os.preadv(fd, [view[done:]], offset + done)
         except OSError as exc:
@@ -149,6 +149,14 @@ def _pread_full(fd: int, view: memoryview, offset: int, path: str | Path) -> int
             break
         done += n
     return done
+
+
+@dataclass
+class _Write:
+    """A write request in flight and the bounce buffer it writes from, if it owns one."""
+
+    request: Request[None]
+    owned: HostBuffer | None
 
 
 class FileWriter:
@@ -176,7 +184,7 @@ class FileWriter:
         self._offset = 0  # bytes submitted so far (file offset of the bounce buffer's start)
         self._bounce: HostBuffer | None = None
         self._fill = 0
-        self._inflight: deque[tuple[Future, HostBuffer | None]] = deque()
+        self._inflight: deque[_Write] = deque()
         self._t0 = time.perf_counter()
         self._requests = 0
         self._closed = False
@@ -187,17 +195,16 @@ class FileWriter:
             self._reap_one()
         if self.limiter is not None:
             self.limiter.consume(len(view))
-        fut = executor().submit(pwrite_all, self.fd, view, offset, self.path)
-        self._inflight.append((fut, owned))
+        self._inflight.append(_Write(submit(partial(pwrite_all, self.fd, view, offset, self.path)), owned))
         self._requests += 1
 
     def _reap_one(self) -> None:
-        fut, owned = self._inflight.popleft()
+        write = self._inflight.popleft()
         try:
-            fut.result()
+            write.request.result()
         finally:
-            if owned is not None:
-                bounce_pool().release(owned)
+            if write.owned is not None:
+                bounce_pool().release(write.owned)
 
     def _flush_bounce(self, final: bool = False) -> None:
         if self._bounce is None or self._fill == 0:
@@ -267,14 +274,11 @@ class FileWriter:
         return record(stats)
 
     def _abort_quietly(self) -> None:
-        while self._inflight:
-            fut, owned = self._inflight.popleft()
-            try:
-                fut.result()
-            except BaseException:
-                pass
-            if owned is not None:
-                bounce_pool().release(owned)
+        settle_all(w.request for w in self._inflight)  # the file is being dropped: unstarted writes need not run
+        for w in self._inflight:
+            if w.owned is not None:
+                bounce_pool().release(w.owned)
+        self._inflight.clear()
         if self._bounce is not None:
             bounce_pool().release(self._bounce)
             self._bounce = None
@@ -313,42 +317,61 @@ def write_file(path: str | Path, buffers, **kw) -> IOStats:
 
 
 # -- reads -----------------------------------------------------------------------------------
-def _bounce_read(fd: int, path, start: int, want_from: int, dest: np.ndarray, dest_off: int, length: int) -> int:
-    """Read the aligned window holding [want_from, want_from+length) via a bounce buffer, copy it out."""
-    buf = bounce_pool().acquire(align_up(want_from + length - start))
-    try:
-        span = align_up(want_from + length - start)
-        got = _pread_full(fd, buf.view[:span], start, path)
-        skip = want_from - start
-        if got < skip + length:
-            raise IntegrityError(f"{path} ended at byte {start + got}, needed bytes up to {want_from + length}: the file is truncated")
-        np.copyto(dest[dest_off : dest_off + length], buf.array[skip : skip + length])
-        return length
-    finally:
-        bounce_pool().release(buf)
+def _truncated(path: str | Path, ended: int, needed: int) -> IntegrityError:
+    return IntegrityError(f"{path} ended at byte {ended}, needed bytes up to {needed}: the file is truncated")
 
 
-def _direct_read(fd: int, path, view: memoryview, offset: int, length: int) -> int:
-    got = _pread_full(fd, view[:length], offset, path)
-    if got < length:
-        raise IntegrityError(f"{path} ended at byte {offset + got}, needed bytes up to {offset + length}: the file is truncated")
-    return got
+@dataclass(frozen=True)
+class _RangeRead:
+    """Bytes [offset, offset + len(view)) of an open file, read into ``view`` window by window.
 
+    ``in_place``: the descriptor has O_DIRECT and ``view``'s address agrees with the file offset
+    modulo 4 KiB (always the case for a HostBuffer read from offset 0), so whole blocks land in
+    ``view`` by DMA and only a window's unaligned head and tail blocks pass through bounce buffers.
+    With O_DIRECT and no agreement every window is bounced and copied once; without O_DIRECT the
+    kernel copies straight into ``view``."""
 
-def _run_bounded(jobs: list[tuple], depth: int) -> None:
-    """Run ``(fn, *args)`` jobs on the shared pool with at most ``depth`` in flight; re-raise the first error."""
-    pool = executor()
-    inflight: deque[Future] = deque()
-    try:
-        for fn, *a in jobs:
-            while len(inflight) >= max(1, depth):
-                inflight.popleft().result()
-            inflight.append(pool.submit(fn, *a))
-        while inflight:
-            inflight.popleft().result()
-    finally:
-        for f in inflight:  # on error: let running requests finish before the caller closes the fd
-            f.exception()
+    fd: int
+    path: str | Path
+    offset: int
+    view: memoryview
+    direct: bool
+    in_place: bool
+
+    def window(self, w: Window) -> None:
+        lo, hi = max(w.offset, self.offset), w.end  # the first window starts on the grid below offset
+        if not self.direct:
+            self._read(lo, hi)
+        elif not self.in_place:
+            self._bounce(lo, hi)
+        else:
+            a = min(align_up(lo), hi)
+            b = max(align_down(hi), a)
+            if a > lo:
+                self._bounce(lo, a)
+            if b > a:
+                self._read(a, b)
+            if hi > b:
+                self._bounce(b, hi)
+
+    def _read(self, lo: int, hi: int) -> None:
+        got = pread_full(self.fd, self.view[lo - self.offset : hi - self.offset], lo, self.path)
+        if got < hi - lo:
+            raise _truncated(self.path, lo + got, hi)
+
+    def _bounce(self, lo: int, hi: int) -> None:
+        """Read the aligned blocks holding [lo, hi) into a bounce buffer and copy the wanted part out."""
+        start = align_down(lo)
+        span = align_up(hi - start)
+        buf = bounce_pool().acquire(span)
+        try:
+            got = pread_full(self.fd, buf.view[:span], start, self.path, need=hi - start)
+            if got < hi - start:
+                raise _truncated(self.path, start + got, hi)
+            dest = np.frombuffer(self.view[lo - self.offset : hi - self.offset], dtype=np.uint8)
+            np.copyto(dest, buf.array[lo - start : hi - start])  # numpy copies with the GIL released
+        finally:
+            bounce_pool().release(buf)
 
 
 def read_into(
@@ -361,11 +384,13 @@ def read_into(
     depth: int = DEFAULT_DEPTH,
     fd: int | None = None,
 ) -> IOStats:
-    """Fill ``buf`` with the bytes of ``path`` at [offset, offset+len(buf)) using parallel requests.
+    """Fill ``buf`` with the bytes of ``path`` at [offset, offset+len(buf)) using parallel requests
+    of ``chunk_size`` bytes, ``depth`` in flight (like fio's iodepth).
 
-    When ``buf``'s address and ``offset`` agree modulo 4 KiB (always the case for a HostBuffer read
-    from offset 0), the aligned interior is read by DMA straight into ``buf``; only the head and
-    tail blocks pass through bounce buffers. Otherwise every window is bounced and copied once.
+    When ``buf``'s address and ``offset`` agree modulo 4 KiB, the aligned interior is read by DMA
+    straight into ``buf``; only the head and tail blocks pass through bounce buffers. Otherwise
+    every window is bounced and copied once. ``fd``: an open descriptor of ``path`` (left open;
+    ``direct`` then says whether it has O_DIRECT).
     """
     view = memoryview(buf).cast("B")
     n = len(view)
@@ -375,39 +400,13 @@ def read_into(
         fd, is_direct = open_file(path, write=False, direct=direct)
     else:
         is_direct = direct
-    requests = 0
     try:
         size = os.fstat(fd).st_size
         if offset < 0 or offset + n > size:
             raise IntegrityError(f"{path} is {size} bytes; cannot read bytes {offset}..{offset + n}: the file is truncated or the range is wrong")
-        # Build the request list first, then keep ``depth`` of them in flight (like fio's iodepth).
-        jobs: list[tuple] = []
-        chunk = align_up(chunk_size)
-        if not is_direct:
-            for i in range(0, n, chunk):
-                jobs.append((_direct_read, fd, path, view[i:], offset + i, min(chunk, n - i)))
-        else:
-            arr = np.frombuffer(view, dtype=np.uint8) if n else np.empty(0, np.uint8)
-            end = offset + n
-            if n and (address_of(view) - offset) % ALIGN == 0:
-                a, b = min(align_up(offset), end), max(align_down(end), offset)
-                if a > b:  # whole range inside one block
-                    a = b = offset
-                if a > offset:
-                    jobs.append((_bounce_read, fd, path, align_down(offset), offset, arr, 0, a - offset))
-                for i in range(a, b, chunk):
-                    jobs.append((_direct_read, fd, path, view[i - offset :], i, min(chunk, b - i)))
-                if end > b and b >= a:
-                    jobs.append((_bounce_read, fd, path, align_down(b), b, arr, b - offset, end - b))
-            else:
-                pos = offset
-                while pos < end:
-                    start = align_down(pos)
-                    m = min(start + chunk, end) - pos
-                    jobs.append((_bounce_read, fd, path, start, pos, arr, pos - offset, m))
-                    pos += m
-        requests = len(jobs)
-        _run_bounded(jobs, depth)
+        in_place = is_direct and n > 0 and (address_of(view) - offset) % ALIGN == 0
+        job = _RangeRead(fd, path, offset, view, is_direct, in_place)
+        requests = len(read_range(offset, offset + n, Windowing(align_up(chunk_size), depth), job.window))
     finally:
         if own_fd:
             os.close(fd)
@@ -425,22 +424,35 @@ def read_file(path: str | Path, *, direct: bool = True, pool: BufferPool | None 
     return buf, size
 
 
-def _copy_chunk(src_fd, dst_fd, src, dst, off, n, direct_dst, on_chunk, limiter):
-    if limiter is not None:
-        limiter.consume(n)
-    buf = bounce_pool().acquire(align_up(n))
-    try:
-        got = _pread_full(src_fd, buf.view[: align_up(n)], off, src)
-        if got < n:
-            raise IntegrityError(f"{src} shrank while being copied (read {off + got} of {off + n} bytes)")
-        if on_chunk is not None:
-            on_chunk(off, buf.view[:n])
-        m = align_up(n) if direct_dst else n
-        if direct_dst:
-            buf.array[n:m] = 0
-        pwrite_all(dst_fd, buf.view[:m], off, dst)
-    finally:
-        bounce_pool().release(buf)
+@dataclass(frozen=True)
+class _FileCopy:
+    """Copies windows of ``src`` to the same offsets of ``dst`` through bounce buffers."""
+
+    src_fd: int
+    dst_fd: int
+    src: str | Path
+    dst: str | Path
+    direct_dst: bool
+    on_chunk: Callable[[int, memoryview], None] | None
+    limiter: TokenBucket | None
+
+    def window(self, w: Window) -> None:
+        off, n = w.offset, w.length
+        if self.limiter is not None:
+            self.limiter.consume(n)
+        span = align_up(n)
+        buf = bounce_pool().acquire(span)
+        try:
+            got = pread_full(self.src_fd, buf.view[:span], off, self.src, need=n)
+            if got < n:
+                raise IntegrityError(f"{self.src} shrank while being copied (read {off + got} of {off + n} bytes)")
+            if self.on_chunk is not None:
+                self.on_chunk(off, buf.view[:n])
+            m = span if self.direct_dst else n
+            buf.array[n:m] = 0  # O_DIRECT writes whole blocks; the padding is truncated away
+            pwrite_all(self.dst_fd, buf.view[:m], off, self.dst)
+        finally:
+            bounce_pool().release(buf)
 
 
 def copy_file(
@@ -468,10 +480,9 @@ def copy_file(
         hold_write_lock(dst_fd)
         try:
             size = os.fstat(src_fd).st_size
-            chunk = align_up(chunk_size)
-            jobs = [(_copy_chunk, src_fd, dst_fd, src, dst, off, min(chunk, size - off), dst_direct, on_chunk, limiter)
-                    for off in range(0, size, chunk)]
-            _run_bounded(jobs, depth)  # returns only once no request is running, also on error
+            job = _FileCopy(src_fd, dst_fd, src, dst, dst_direct, on_chunk, limiter)
+            # read_range returns only once no request is running, also on error: dst_fd may close.
+            requests = len(read_range(0, size, Windowing(align_up(chunk_size), depth), job.window))
             if dst_direct and size % ALIGN:
                 os.ftruncate(dst_fd, size)
             os.fsync(dst_fd)
@@ -482,5 +493,4 @@ def copy_file(
     finally:
         if own_src:
             os.close(src_fd)
-    return record(IOStats("copy", str(dst), size, time.perf_counter() - t0, dst_direct, -(-size // chunk_size)))
-
+    return record(IOStats("copy", str(dst), size, time.perf_counter() - t0, dst_direct, requests))

@@ -1,8 +1,9 @@
-"""The read engine of the weight loaders: aligned windows, several in flight, two destinations.
+"""Weight loads on the io read engine: extents of shards, read by residency, two destinations.
 
 A load is a list of *extents* (a byte range of one shard that holds the wanted tensors; the whole
-file in the common case), cut into aligned windows of ``chunk_size`` bytes. ``depth`` worker
-threads read windows in file order (the threads block in the kernel with the GIL released):
+file in the common case), cut into aligned windows of ``chunk_size`` bytes by the io engine
+(tierio.io.engine), ``depth`` of them in flight on the shared I/O pool, in file order (the threads
+block in the kernel with the GIL released):
 
 * ``read_to_arenas``: each extent lands in its own huge-page Arena; the window is populated and
   read by O_DIRECT straight into its final place (the arena's address agrees with the file
@@ -18,27 +19,26 @@ is in memory (the weight cache writes and checksums it there).
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tierio.errors import FormatError, IntegrityError
 from tierio.format.safetensors import TensorEntry
 from tierio.io import pagecache
-from tierio.io.buffers import ALIGN, align_down, align_up
-from tierio.io.files import open_file, os_error
+from tierio.io.buffers import ALIGN, align_up
+from tierio.io.engine import ByteRange, Window, Windowing, plan, read_windows
+from tierio.io.files import open_file, pread_full
+from tierio.units import MiB
 from tierio.weights.memory import Arena, FileMapping, staging_pool
 from tierio.weights.sources import Shard
 
 log = logging.getLogger(__name__)
-MiB = 1 << 20
 DEFAULT_CHUNK = 16 * MiB
 DEFAULT_DEPTH = 8
-MERGE_GAP = 4 * MiB  # read through gaps smaller than this rather than issue another request
+MERGE_GAP = 4 * MiB  # read through gaps up to this size rather than issue another request
 RESIDENT = 0.5  # a window at least this much in the page cache is read buffered
 MAP_CHUNK = 64 * MiB  # mapped mode: populate windows (see map_extents)
 MAP_DEPTH = 4
@@ -69,15 +69,9 @@ def plan_extents(shard: Shard, entries: list[TensorEntry], whole_file: bool = Fa
     if whole_file:
         return [Extent(shard, 0, shard.size, [e for e in entries if e.nbytes])] if shard.size else []
     base = shard.data_offset
-    out: list[Extent] = []
-    for e in sorted((e for e in entries if e.nbytes), key=lambda e: e.begin):
-        lo, hi = base + e.begin, base + e.end
-        if out and lo - out[-1].end <= MERGE_GAP:
-            out[-1].end = max(out[-1].end, hi)
-            out[-1].entries.append(e)
-        else:
-            out.append(Extent(shard, align_down(lo), hi, [e]))
-    return out
+    ranges = [ByteRange(base + e.begin, base + e.end) for e in entries]
+    regions = plan(ranges, Windowing(DEFAULT_CHUNK, DEFAULT_DEPTH, merge_gap=MERGE_GAP))
+    return [Extent(shard, r.start, r.end, [entries[i] for i in r.members]) for r in regions]
 
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all), called from the I/O threads
@@ -142,51 +136,29 @@ class ShardReader:
         )
         fd = self.fd_direct if use_direct else self.fd_buffered
         want = align_up(n) if use_direct else n
-        done = 0
-        try:
-            while done < n:
-                got = os.preadv(fd, [view[done:want]], offset + done)
-                if got == 0:
-                    break
-                done += got
-        except OSError as exc:
-            raise os_error(exc, shard.where, "reading") from exc
+        done = pread_full(fd, view[:want], offset, shard.where, need=n)
         if done < n:
             raise IntegrityError(f"{shard.where} ended at byte {offset + done}, expected at least {offset + n}: the file is truncated")
         self.counters.add("direct_bytes" if use_direct else "buffered_bytes", n)
 
 
-def _windows(extents: list[Extent], chunk: int):
-    for ext in extents:
-        length = ext.end - ext.start
-        for rel in range(0, length, chunk):
-            yield ext, rel, min(chunk, length - rel)
-
-
-def _run(tasks: list[Callable[[], None]], depth: int) -> None:
-    """Run tasks on ``depth`` threads in order; on the first error cancel the rest and raise it."""
-    if not tasks:
-        return
-    with ThreadPoolExecutor(max_workers=max(1, min(depth, len(tasks))), thread_name_prefix="tierio-weights") as pool:
-        futs: list[Future] = [pool.submit(t) for t in tasks]
-        try:
-            for f in futs:
-                f.result()
-        except BaseException:
-            for f in futs:
-                f.cancel()
-            raise
+WindowBody = Callable[[ShardReader, Window], None]  # Window.of indexes the extents
 
 
 def _read_windows(extents: list[Extent], chunk: int, depth: int, direct: bool, counters: Counters,
-                  body: Callable[[ShardReader, Extent, int, int], None]) -> None:
-    """Run ``body(reader, extent, rel, n)`` for every window on ``depth`` threads, one reader per shard."""
+                  body: WindowBody) -> None:
+    """Run ``body(reader, window)`` for every window, ``depth`` in flight, one reader per shard."""
     readers: dict[int, ShardReader] = {}
     try:
         for ext in extents:
             if id(ext.shard) not in readers:
                 readers[id(ext.shard)] = ShardReader(ext.shard, direct, counters)
-        _run([functools.partial(body, readers[id(ext.shard)], ext, rel, n) for ext, rel, n in _windows(extents, chunk)], depth)
+
+        def window(w: Window) -> None:
+            body(readers[id(extents[w.of].shard)], w)
+
+        # Returns only once no window is running, also on error: the readers' descriptors may close.
+        read_windows(extents, Windowing(chunk, depth), window)
     finally:
         for r in readers.values():
             r.close()
@@ -205,16 +177,15 @@ def read_to_arenas(
     counters = counters or Counters()
     chunk = align_up(chunk_size, 2 * MiB)  # whole huge pages per window
     arenas = [Arena(ext.end - ext.start) for ext in extents]
-    by_ext = {id(e): a for e, a in zip(extents, arenas)}
 
-    def window(reader: ShardReader, ext: Extent, rel: int, n: int) -> None:
-        arena = by_ext[id(ext)]
+    def window(reader: ShardReader, w: Window) -> None:
+        arena, rel, n = arenas[w.of], w.offset - extents[w.of].start, w.length
         cap = min(align_up(n), arena.capacity - rel)
         arena.populate(rel, cap)
         view = arena.view[rel : rel + cap]
-        reader.read(ext.start + rel, view, n)
+        reader.read(w.offset, view, n)
         if hook is not None:
-            hook(ext.shard, ext.start + rel, view, n)
+            hook(reader.shard, w.offset, view, n)
 
     _read_windows(extents, chunk, depth, direct, counters, window)
     return arenas
@@ -239,19 +210,16 @@ def map_extents(
     chunk_size = align_up(chunk_size) * max(1, -(-MAP_CHUNK // align_up(chunk_size)))
     depth = min(depth, MAP_DEPTH)
     maps = [FileMapping(ext.shard.path, ext.start, ext.end - ext.start) for ext in extents]
-    by_ext = {id(e): m for e, m in zip(extents, maps)}
 
-    def task(ext: Extent, rel: int, n: int) -> Callable[[], None]:
-        def run() -> None:
-            m = by_ext[id(ext)]
-            m.populate(rel, n)
-            counters.add("buffered_bytes", n)
-            if hook is not None:
-                hook(ext.shard, ext.start + rel, m.view[rel : rel + n], n)
+    def window(w: Window) -> None:
+        ext, m = extents[w.of], maps[w.of]
+        rel, n = w.offset - ext.start, w.length
+        m.populate(rel, n)
+        counters.add("buffered_bytes", n)
+        if hook is not None:
+            hook(ext.shard, w.offset, m.view[rel : rel + n], n)
 
-        return run
-
-    _run([task(*w) for w in _windows(extents, chunk_size)], depth)
+    read_windows(extents, Windowing(chunk_size, depth), window)
     return maps
 
 
@@ -275,15 +243,16 @@ def read_through_ring(
     pool = staging_pool()
     depth = max(1, min(depth, pool.budget_bytes // chunk))  # staging memory stays within the budget
 
-    def window(reader: ShardReader, ext: Extent, rel: int, n: int) -> None:
+    def window(reader: ShardReader, w: Window) -> None:
+        ext, n = extents[w.of], w.length
         buf = pool.acquire(chunk)
         try:
             view = buf.view[: align_up(n)]
-            reader.read(ext.start + rel, view, n)
+            reader.read(w.offset, view, n)
             if hook is not None:
-                hook(ext.shard, ext.start + rel, view, n)
+                hook(ext.shard, w.offset, view, n)
             if sink is not None:
-                sink(ext, rel, view, n, buf)
+                sink(ext, w.offset - ext.start, view, n, buf)
         finally:
             pool.release(buf)
 
