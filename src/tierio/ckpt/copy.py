@@ -14,7 +14,7 @@ from tierio.io.checksum import xxh3
 from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Store
 
-from tierio.ckpt.lineage import same_copy
+from tierio.ckpt.lineage import manifest_on
 from tierio.ckpt.reader import read_manifest_raw, where
 
 
@@ -90,12 +90,13 @@ def copy_step(src: Store, dst: Store, step: int, *, limiter: TokenBucket | None 
     A copy already on ``dst`` counts only when it is the same checkpoint (the same manifest bytes);
     another checkpoint of the same step there (an abandoned run's) is refused, not overwritten."""
     raw, man = read_manifest_raw(src, step)
-    if dst.exists(manifest_key(step)):
-        if same_copy(dst, step, raw):
-            return CopyStats()
+    there = manifest_on(dst, step)
+    if there == raw:
+        return CopyStats()
+    if there is not None:
         raise ConfigError(
             f"{dst.url} already holds another checkpoint of step {step} (its manifest differs from the one on "
-            f"{src.url}); delete it there first ('tierio ckpt gc' or delete_step) if the copy on {src.url} is the one to keep"
+            f"{src.url}); delete that step there first (tierio.ckpt.delete_step) if the copy on {src.url} is the one to keep"
         )
     pool = pool or copy_pool()
     stats = CopyStats()

@@ -346,7 +346,7 @@ class TierLeases:
                 held = list(self._ok.values()) if self.rank == 0 else []
                 me = self._me
             for store in held:
-                if me is None or store.url in self._lost:
+                if me is None or store.url in self._lost or self._stop.is_set():
                     continue
                 try:
                     other = refresh(store, me)
@@ -361,7 +361,7 @@ class TierLeases:
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=HEARTBEAT)
+            self._thread.join()  # a renewal in flight must not rewrite a lease after its release
         if self.rank != 0 or self.run is None:
             return
         with self._lock:

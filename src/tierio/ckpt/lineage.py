@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from tierio.errors import TierioError
+from tierio.errors import FormatError, NotFoundError
 from tierio.format.manifest import Manifest
 from tierio.format.shard import manifest_key
 from tierio.io.checksum import xxh3
@@ -92,9 +92,17 @@ class Rollback:
         return steps
 
 
+def manifest_on(store: Store, step: int) -> bytes | None:
+    """The manifest bytes of ``step`` on ``store``: None when there is none, b"" when one is there
+    but cannot be read as one (oversized, not a regular file). An unreachable store raises."""
+    try:
+        return read_manifest_bytes(store, step)
+    except NotFoundError:
+        return None
+    except FormatError:
+        return b""
+
+
 def same_copy(store: Store, step: int, raw: bytes) -> bool:
     """Does ``store`` hold exactly this checkpoint of ``step`` (the same manifest bytes)?"""
-    try:
-        return read_manifest_bytes(store, step) == raw
-    except TierioError:  # absent, unreadable or oversized: not the same copy
-        return False
+    return manifest_on(store, step) == raw

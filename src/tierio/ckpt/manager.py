@@ -62,7 +62,7 @@ from tierio.units import human_bytes, parse_size
 from tierio.ckpt.copy import CopyStats, commit_copy, copy_pool, copy_shard, shards_present
 from tierio.ckpt.gc import TEMP_GRACE, GcOptions, GcTier, collect
 from tierio.ckpt.lease import TierLeases, agree_run_id
-from tierio.ckpt.lineage import Lineage, Rollback, same_copy
+from tierio.ckpt.lineage import Lineage, Rollback, manifest_on
 from tierio.ckpt.reader import VerifyReport, committed_steps, load_rank, read_manifest, read_manifest_raw, verify_copy, where
 from tierio.ckpt.retention import wanted
 from tierio.ckpt.tier import Tier, as_tier, open_tier_store
@@ -633,21 +633,22 @@ class CheckpointManager:
         if man.world_size != self.world_size:
             raise ConfigError(f"step {step} on {src.url} was saved by {man.world_size} ranks; this job has {self.world_size}")
         for dst in self._tiers[self._tiers.index(src) + 1 :]:
-            if same_copy(dst.store, step, raw):
+            there = manifest_on(dst.store, step)
+            if there == raw:
                 continue  # already there: the same checkpoint, byte for byte
             self._leases.ensure(dst.store)
             if self.rank == 0:
-                self._clear_destination(dst.store, step, rollback)
+                self._clear_destination(dst.store, step, rollback, there is not None)
             stats: CopyStats = copy_shard(src.store, dst.store, step, man.ranks[self.rank], self._promo_pool, self.limiter)
             self._account(dst, stats.bytes, stats.seconds)
             self._commit_copy(dst.store, step, raw, man.ranks)
 
-    def _clear_destination(self, dst: Store, step: int, rollback: Rollback | None) -> None:
+    def _clear_destination(self, dst: Store, step: int, rollback: Rollback | None, other: bool) -> None:
         """Rank 0, before promoting ``step`` to ``dst``: retire an abandoned branch there, and the
-        manifest of another checkpoint of this step (it must not pass for this one)."""
+        manifest of ``other`` checkpoint of this step there (it must not pass for this one)."""
         if rollback is not None:
             rollback.retire_dirs(dst)
-        if dst.exists(manifest_key(step)):
+        if other:
             log.warning("%s holds another checkpoint of step %d (an abandoned run's); replacing it", dst.url, step)
             dst.delete(manifest_key(step))
 

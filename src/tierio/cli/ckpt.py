@@ -306,7 +306,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
             steps = [args.step if args.step is not None else _latest(src, args.src)]
             _manifest(src, args.src, steps[0])
         for step in steps:
-            if dst.exists(manifest_key(step)) and same_copy(dst, step, read_manifest_bytes(src, step)):
+            if same_copy(dst, step, read_manifest_bytes(src, step)):
                 done.append({"step": step, "bytes": 0, "seconds": 0.0, "skipped": "already committed on DST"})
                 continue
             stats = promote(src, dst, step, bandwidth=rate)
