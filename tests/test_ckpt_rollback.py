@@ -4,6 +4,7 @@ steps on every tier; a checkpoint saved after a rollback is never shadowed or lo
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from tierio.errors import ConfigError
 
 
 def state(step: int, branch: str) -> dict:
-    g = torch.Generator().manual_seed(hash((step, branch)) % (1 << 31))
+    g = torch.Generator().manual_seed(zlib.crc32(f"{step}/{branch}".encode()))  # the same in every process
     return {"w": torch.randn(32 * 1024, generator=g), "b": torch.randn(64, generator=g).bfloat16(),
             "step": step, "branch": branch}
 
@@ -119,3 +120,36 @@ def test_manual_promote_never_overwrites_another_checkpoint_of_the_step(tmp_path
     capsys.readouterr()
     assert main(["ckpt", "promote", str(tmp_path / "y"), str(tmp_path / "z"), "--step", "5", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["promoted"][0]["skipped"] == "already committed on DST"
+
+
+def gloo_rollback(rank: int, root: str, init: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        tiers = [str(Path(root) / "fast"), Tier(str(Path(root) / "slow"), KeepAll())]
+        with CheckpointManager(tiers, commit_timeout=120) as mgr:
+            for step in (1, 2, 3):
+                mgr.save(step, state(step, f"A{rank}")).wait()
+            dist.barrier()  # only so the test can compare: the commit itself uses no collectives
+            assert same(mgr.restore(1), state(1, f"A{rank}"))
+            dist.barrier()
+            mgr.save(2, state(2, f"B{rank}")).wait()  # the old step 2 is still committed when rank 1 writes
+            dist.barrier()
+            assert mgr.steps() == [1, 2]
+            assert same(mgr.restore(2), state(2, f"B{rank}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rollback_with_two_gloo_ranks(tmp_path):
+    import torch.multiprocessing as tmp
+
+    tmp.start_processes(gloo_rollback, args=(str(tmp_path), f"file://{tmp_path}/pg"), nprocs=2,
+                        start_method="spawn", join=True)
+    for tier in ("fast", "slow"):
+        assert [c.step for c in list_checkpoints(tmp_path / tier)] == [1, 2] and verify(tmp_path / tier, 2).ok
+        names = sorted(p.name for p in (tmp_path / tier / "step_000000002").iterdir())
+        assert names == ["manifest.json", "rank_00000.safetensors", "rank_00001.safetensors"]
+        with CheckpointManager([tmp_path / tier], rank=1, world_size=2) as mgr:
+            assert same(mgr.restore(2), state(2, "B1"))
