@@ -45,3 +45,7 @@ class FormatError(TierioError):
 
 class ConfigError(TierioError, ValueError):
     """An argument or setting is invalid."""
+
+
+class LeaseError(StorageError):
+    """Another run holds the tier's write lease (or this run lost it): one writer per tier."""

@@ -1,7 +1,8 @@
 """Asynchronous, tiered, verified checkpoints (see docs/checkpoints.md)."""
 
-from tierio.ckpt.manager import CheckpointManager, SaveHandle, delete_step
-from tierio.ckpt.ops import CheckpointInfo, gc, inspect, list_checkpoints, promote, verify
+from tierio.ckpt.gc import delete_step
+from tierio.ckpt.manager import CheckpointManager, SaveHandle
+from tierio.ckpt.ops import CheckpointInfo, gc, inspect, list_checkpoints, promote, unlock, verify
 from tierio.ckpt.reader import Problem, VerifyReport
 from tierio.ckpt.retention import AllOf, AnyOf, KeepAll, KeepEvery, KeepLast, KeepWithin, Retention, gc_plan, parse_retention
 from tierio.ckpt.rng import rng_state, set_rng_state
@@ -11,6 +12,6 @@ __all__ = [
     "CheckpointManager", "SaveHandle", "Tier", "delete_step",
     "Retention", "KeepLast", "KeepEvery", "KeepWithin", "KeepAll", "AnyOf", "AllOf", "parse_retention", "gc_plan",
     "VerifyReport", "Problem", "CheckpointInfo",
-    "list_checkpoints", "inspect", "verify", "promote", "gc",
+    "list_checkpoints", "inspect", "verify", "promote", "gc", "unlock",
     "rng_state", "set_rng_state",
 ]

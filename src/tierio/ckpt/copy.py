@@ -6,14 +6,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tierio.errors import IntegrityError, NotFoundError
+from tierio.errors import ConfigError, IntegrityError, NotFoundError
 from tierio.format.manifest import RankEntry
 from tierio.format.shard import manifest_key, step_dir
-from tierio.io.buffers import HostBuffer
+from tierio.io.buffers import BufferPool
 from tierio.io.checksum import xxh3
 from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Store
 
+from tierio.ckpt.lineage import manifest_on
 from tierio.ckpt.reader import read_manifest_raw, where
 
 
@@ -29,20 +30,12 @@ class CopyStats:
         self.files += other.files
 
 
-class BufferSlot:
-    """One reused promotion buffer, grown when a larger shard comes along."""
-
-    def __init__(self) -> None:
-        self.buf: HostBuffer | None = None
-
-    def get(self, nbytes: int) -> HostBuffer:
-        if self.buf is None or self.buf.capacity < nbytes:
-            self.buf = None
-            self.buf = HostBuffer(nbytes)
-        return self.buf
+def copy_pool() -> BufferPool:
+    """A promotion buffer pool: one buffer, reused, replaced by a larger one when a larger shard comes."""
+    return BufferPool(budget_bytes=None, max_buffers=1)
 
 
-def copy_shard(src: Store, dst: Store, step: int, entry: RankEntry, slot: BufferSlot,
+def copy_shard(src: Store, dst: Store, step: int, entry: RankEntry, pool: BufferPool,
                limiter: TokenBucket | None = None) -> CopyStats:
     """Read one shard from ``src``, verify every chunk, write it to ``dst`` atomically."""
     key = f"{step_dir(step)}/{entry.file}"
@@ -50,8 +43,16 @@ def copy_shard(src: Store, dst: Store, step: int, entry: RankEntry, slot: Buffer
     size = src.stat(key).size
     if size != entry.bytes:
         raise IntegrityError(f"{where(src, key)} is {size} bytes but the manifest records {entry.bytes}; not promoting a bad copy")
-    buf = slot.get(entry.bytes)
-    view = buf.view[: entry.bytes]
+    buf = pool.acquire(entry.bytes)
+    try:
+        _copy_verified(src, dst, key, entry, buf.view[: entry.bytes], limiter)
+    finally:
+        pool.release(buf)
+    return CopyStats(entry.bytes, time.perf_counter() - t0, 1)
+
+
+def _copy_verified(src: Store, dst: Store, key: str, entry: RankEntry, view: memoryview,
+                   limiter: TokenBucket | None) -> None:
     if entry.bytes:
         src.read_into(key, 0, view)
     for t in entry.tensors.values():
@@ -65,7 +66,6 @@ def copy_shard(src: Store, dst: Store, step: int, entry: RankEntry, slot: Buffer
     if limiter is not None and getattr(dst, "limiter", None) is None:
         limiter.consume(entry.bytes)
     dst.put_buffers(key, [view])
-    return CopyStats(entry.bytes, time.perf_counter() - t0, 1)
 
 
 def shards_present(dst: Store, step: int, entries: list[RankEntry]) -> bool:
@@ -84,13 +84,24 @@ def commit_copy(dst: Store, step: int, manifest: bytes) -> None:
 
 
 def copy_step(src: Store, dst: Store, step: int, *, limiter: TokenBucket | None = None,
-              slot: BufferSlot | None = None, progress: Callable[[str], None] | None = None) -> CopyStats:
-    """Promote every rank's shard of ``step`` from ``src`` to ``dst``, then the manifest."""
+              pool: BufferPool | None = None, progress: Callable[[str], None] | None = None) -> CopyStats:
+    """Promote every rank's shard of ``step`` from ``src`` to ``dst``, then the manifest.
+
+    A copy already on ``dst`` counts only when it is the same checkpoint (the same manifest bytes);
+    another checkpoint of the same step there (an abandoned run's) is refused, not overwritten."""
     raw, man = read_manifest_raw(src, step)
-    slot = slot or BufferSlot()
+    there = manifest_on(dst, step)
+    if there == raw:
+        return CopyStats()
+    if there is not None:
+        raise ConfigError(
+            f"{dst.url} already holds another checkpoint of step {step} (its manifest differs from the one on "
+            f"{src.url}); delete that step there first (tierio.ckpt.delete_step) if the copy on {src.url} is the one to keep"
+        )
+    pool = pool or copy_pool()
     stats = CopyStats()
     for entry in man.ranks:
-        stats.add(copy_shard(src, dst, step, entry, slot, limiter))
+        stats.add(copy_shard(src, dst, step, entry, pool, limiter))
         if progress:
             progress(entry.file)
     if not shards_present(dst, step, man.ranks):

@@ -5,6 +5,10 @@
     verify(url, step=None)           -> VerifyReport       every chunk of every shard
     promote(src_url, dst_url, step)  -> CopyStats          same bytes, verified, manifest last
     gc(url, retention, min_keep=3)   -> [int]              steps deleted (dry_run=True: would delete)
+    collect_garbage(url, retention)  -> GcReport           the same, with debris and leftovers removed
+    unlock(url, force=False)         -> Holder | None      break a stale lease
+
+Writers (promote, gc) hold the tier's lease while they run, so they never race a training job.
 """
 
 from __future__ import annotations
@@ -22,8 +26,12 @@ from tierio.storage.url import open_store
 from tierio.units import parse_size
 
 from tierio.ckpt.copy import CopyStats, copy_step
-from tierio.ckpt.reader import VerifyReport, commit_times, committed_steps, read_manifest, step_dirs, verify_copy
-from tierio.ckpt.retention import Retention, gc_plan, parse_retention
+from tierio.ckpt.gc import GcOptions, GcReport, GcTier, collect
+from tierio.ckpt.lease import Holder, tool_lease
+from tierio.ckpt.lease import unlock as unlock_lease
+from tierio.ckpt.lineage import Lineage
+from tierio.ckpt.reader import VerifyReport, committed_steps, read_manifest, step_dirs, verify_copy
+from tierio.ckpt.retention import Retention, parse_retention
 
 
 @dataclass
@@ -35,6 +43,8 @@ class CheckpointInfo:
     tensors: int
     files: list[str]
     error: str | None = None  # set when the manifest is unreadable
+    run: str | None = None  # the run that saved it (None: saved before runs were recorded)
+    resumed_from: int | None = None  # the step that run had restored (None: a fresh start)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -51,7 +61,10 @@ def list_checkpoints(url: str | Path | Store) -> list[CheckpointInfo]:
     for step in committed_steps(store):
         try:
             m = read_manifest(store, step)
-            out.append(CheckpointInfo(step, m.time, m.world_size, m.total_bytes, m.num_tensors, m.files))
+            lineage = Lineage.of(m, f"{store.url}/{manifest_key(step)}")
+            out.append(CheckpointInfo(step, m.time, m.world_size, m.total_bytes, m.num_tensors, m.files,
+                                      run=lineage.run if lineage else None,
+                                      resumed_from=lineage.resumed_from if lineage else None))
         except TierioError as exc:
             out.append(CheckpointInfo(step, "", 0, 0, 0, [], str(exc)))
     return out
@@ -96,24 +109,37 @@ def promote(src_url: str | Path | Store, dst_url: str | Path | Store, step: int 
     rate = parse_size(bandwidth) if isinstance(bandwidth, str) else bandwidth
     limiter = TokenBucket(rate, burst=max(1 << 20, rate / 4)) if rate else None
     t0 = time.perf_counter()
-    stats = copy_step(src, dst, step, limiter=limiter)
+    with tool_lease(dst):
+        stats = copy_step(src, dst, step, limiter=limiter)
     stats.seconds = time.perf_counter() - t0
     return stats
 
 
-def gc(url: str | Path | Store, retention: Retention | str, *, min_keep: int = 3, dry_run: bool = False) -> list[int]:
-    """Apply ``retention`` to one tier; keeps at least ``min_keep`` checkpoints there."""
-    from tierio.ckpt.manager import delete_step
-
+def collect_garbage(url: str | Path | Store, retention: Retention | str, *, min_keep: int = 3, dry_run: bool = False,
+                    temp_grace: float = 0.0) -> GcReport:
+    """Apply ``retention`` to one tier and remove manifest-less directories older than its newest
+    checkpoint and leftovers of interrupted writes no live writer owns (older than ``temp_grace``
+    outside finished steps). Holds the tier's lease, so a live training run on the tier is not raced."""
     store = _store(url)
     policy = parse_retention(retention) if isinstance(retention, str) else retention
-    held = commit_times(store, committed_steps(store))
-    plan = gc_plan([held], [policy], min_keep=min_keep, names=[store.url])
-    steps = [s for _, s in plan.delete]
-    if not dry_run:
-        for s in steps:
-            delete_step(store, s)
-    return steps
+    tier = GcTier(store, policy)
+    options = GcOptions(min_keep, dry_run=dry_run, temp_grace=temp_grace)
+    if dry_run:
+        return collect([tier], options)
+    with tool_lease(store):
+        return collect([tier], options)
 
 
-__all__ = ["CheckpointInfo", "list_checkpoints", "inspect", "verify", "promote", "gc", "step_dir"]
+def gc(url: str | Path | Store, retention: Retention | str, *, min_keep: int = 3, dry_run: bool = False) -> list[int]:
+    """Apply ``retention`` to one tier; keeps at least ``min_keep`` checkpoints there. Returns the
+    steps deleted (see ``collect_garbage`` for everything else it cleans)."""
+    return [r.step for r in collect_garbage(url, retention, min_keep=min_keep, dry_run=dry_run).deleted]
+
+
+def unlock(url: str | Path | Store, *, force: bool = False) -> Holder | None:
+    """Break the tier's lease when its holder is gone (dead process on this node, or no heartbeat
+    for ``lease.EXPIRES`` s); ``force`` breaks any lease. Returns the holder removed, if any."""
+    return unlock_lease(_store(url), force=force)
+
+
+__all__ = ["CheckpointInfo", "list_checkpoints", "inspect", "verify", "promote", "gc", "collect_garbage", "unlock", "step_dir"]

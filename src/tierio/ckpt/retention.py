@@ -8,8 +8,9 @@
     KeepLast(10) & KeepEvery(100)     keep what both keep
 
 ``gc_plan`` turns per-tier policies into deletions while enforcing the safety rules: never
-delete the only copy of a step that some tier still wants (a promotion may be pending), and keep
-at least ``min_keep`` distinct valid checkpoints across all tiers.
+delete the newest checkpoint, never delete the only copy of a step that some tier still wants (a
+promotion may be pending), and keep at least ``min_keep`` distinct valid checkpoints across all
+tiers. ``ckpt.gc.collect`` carries the plan out.
 """
 
 from __future__ import annotations
@@ -220,5 +221,13 @@ def gc_plan(
             plan.warnings.append(
                 f"retention policies would leave fewer than {min_keep} valid checkpoints; keeping step {step} on {names[i]}"
             )
+    # The newest checkpoint always survives somewhere, whatever the policies and min_keep say.
+    if all_steps:
+        newest = max(all_steps)
+        holders = [i for i, t in enumerate(tiers) if newest in t]
+        if all((i, newest) in doomed for i in holders):
+            doomed.discard((holders[0], newest))
+            plan.warnings.append(f"retention policies would delete the newest checkpoint, step {newest}; "
+                                 f"keeping it on {names[holders[0]]}")
     plan.delete = sorted(doomed, key=lambda x: (x[1], x[0]))
     return plan

@@ -23,6 +23,7 @@ examples:
   tierio ckpt verify /lustre/run1 --all              re-read every chunk and check its xxh3
   tierio ckpt promote /mnt/nvme/ckpt 's3://ckpt/run1?endpoint=http://127.0.0.1:8333' --step 2000
   tierio ckpt gc /lustre/run1 --keep last:3+every:1000 --dry-run
+  tierio ckpt unlock /lustre/run1                    break the lease of a run that died
   tierio ckpt ls ./tierio-demo/shared-fs --json      the same, for scripts
 
 retention for gc: last:N (newest N), every:K (steps divisible by K), within:48h (committed in
@@ -69,13 +70,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--bandwidth", help="limit the copy rate, e.g. 500MB (bytes per second)")
     a.set_defaults(handler=cmd_promote)
 
-    a = action("gc", "delete checkpoints a retention policy does not keep",
+    a = action("gc", "delete checkpoints a retention policy does not keep, and debris of dead writers",
                "tierio ckpt gc /lustre/run1 --keep last:3+every:1000 --dry-run")
     a.add_argument("url", metavar="URL")
     a.add_argument("--keep", required=True, metavar="POLICY", help="retention: last:N, every:K, within:48h, all; join with + or &")
     a.add_argument("--min-keep", type=int, default=3, help="never keep fewer than this many checkpoints (default 3)")
+    a.add_argument("--temp-age", type=float, default=0.0, metavar="SECONDS",
+                   help="remove leftovers of interrupted writes outside finished steps only once this old "
+                        "(default 0: gc holds the tier's lease, so no live tierio writer owns them)")
     a.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
     a.set_defaults(handler=cmd_gc)
+
+    a = action("unlock", "break a tier's write lease whose run is gone",
+               "tierio ckpt unlock /lustre/run1")
+    a.add_argument("url", metavar="URL")
+    a.add_argument("--force", action="store_true",
+                   help="break the lease even if its holder looks alive (only when you know it is gone)")
+    a.set_defaults(handler=cmd_unlock)
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -136,9 +147,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     with _store(args.url) as store:
         infos = list_checkpoints(store)
         partial = sorted(set(step_dirs(store)) - {i.step for i in infos})
+        lease = _lease(store)
     rows = [i.to_dict() for i in infos if i.error is None]
     bad = [{"step": i.step, "problem": i.error} for i in infos if i.error is not None]
-    result = {"url": args.url, "checkpoints": rows, "unreadable": bad, "uncommitted": partial}
+    result = {"url": args.url, "checkpoints": rows, "unreadable": bad, "uncommitted": partial, "lease": lease}
     if args.json:
         print_json(result)
         return 0
@@ -155,7 +167,27 @@ def cmd_ls(args: argparse.Namespace) -> int:
         out.print(f"{len(partial)} step director{'y' if len(partial) == 1 else 'ies'} without a manifest "
                   f"(uncommitted, never restored): {', '.join(map(str, partial[:10]))}"
                   + (" ..." if len(partial) > 10 else ""))
+    if lease is not None:
+        out.print(f"write lease: {lease['holder']}" + (f" [stale: {lease['stale']}]" if lease["stale"] else ""))
     return 0
+
+
+def _lease(store: Any) -> dict[str, Any] | None:
+    """Who leases the tier (a run writing it), as ls shows it."""
+    import time
+
+    from tierio.ckpt.lease import read_lease
+    from tierio.errors import FormatError
+
+    try:
+        holder = read_lease(store)
+    except FormatError as exc:
+        return {"holder": f"unreadable ({exc})", "run": None, "stale": "unreadable"}
+    if holder is None:
+        return None
+    now = time.time()
+    return {"holder": holder.describe(now), "run": holder.run, "host": holder.host, "pid": holder.pid,
+            "heartbeat_age_s": round(now - holder.heartbeat, 1), "stale": holder.stale(now)}
 
 
 # -- inspect -------------------------------------------------------------------------------------
@@ -257,7 +289,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_promote(args: argparse.Namespace) -> int:
     from tierio.ckpt import promote
-    from tierio.ckpt.reader import committed_steps
+    from tierio.ckpt.lineage import same_copy
+    from tierio.ckpt.reader import committed_steps, read_manifest_bytes
     from tierio.format.shard import manifest_key
 
     if args.step is not None and args.all:
@@ -273,7 +306,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
             steps = [args.step if args.step is not None else _latest(src, args.src)]
             _manifest(src, args.src, steps[0])
         for step in steps:
-            if dst.exists(manifest_key(step)):
+            if same_copy(dst, step, read_manifest_bytes(src, step)):
                 done.append({"step": step, "bytes": 0, "seconds": 0.0, "skipped": "already committed on DST"})
                 continue
             stats = promote(src, dst, step, bandwidth=rate)
@@ -294,40 +327,57 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from tierio.ckpt.manager import delete_step
-    from tierio.ckpt.reader import commit_times, committed_in, step_dirs
-    from tierio.ckpt.retention import gc_plan, parse_retention
+    from tierio.ckpt.ops import collect_garbage
+    from tierio.ckpt.retention import parse_retention
 
     policy = parse_retention(args.keep)
     if args.min_keep < 0:
         raise ConfigError("--min-keep must be >= 0")
+    if args.temp_age < 0:
+        raise ConfigError("--temp-age must be >= 0 seconds")
     with _store(args.url) as store:
-        dirs = step_dirs(store)
-        held = commit_times(store, committed_in(dirs))
-        plan = gc_plan([held], [policy], min_keep=args.min_keep, names=[args.url])
-        doomed = [step for _, step in plan.delete]
-        # Directories without a manifest, older than the newest commit, are debris of dead saves.
-        newest = max(held, default=-1)
-        partial = [s for s in dirs if s not in held and s < newest]
-        if not args.dry_run:
-            for step in doomed:
-                delete_step(store, step)
-            for step in partial:
-                delete_step(store, step)
-    kept = sorted(set(held) - set(doomed))
+        report = collect_garbage(store, policy, min_keep=args.min_keep, dry_run=args.dry_run, temp_grace=args.temp_age)
+    doomed = [r.step for r in report.deleted]
+    partial = [r.step for r in report.uncommitted]
+    kept = next(iter(report.kept.values()), [])
     result = {"url": args.url, "policy": str(policy), "dry_run": args.dry_run, "deleted": doomed,
-              "deleted_uncommitted": partial, "kept": kept, "warnings": plan.warnings}
+              "deleted_uncommitted": partial, "leftovers_removed": None if args.dry_run else report.leftovers,
+              "kept": kept, "warnings": report.warnings, "problems": [s.reason for s in report.skipped]}
     if args.json:
         print_json(result)
-        return 0
+        return 1 if report.skipped else 0
     verb = "would delete" if args.dry_run else "deleted"
     out = console()
     out.print(f"retention {policy} on {args.url}: {verb} {len(doomed)} checkpoint(s)"
               + (f" and {len(partial)} uncommitted director{'y' if len(partial) == 1 else 'ies'}" if partial else ""))
     if doomed:
         out.print(f"  {verb}: steps {', '.join(map(str, doomed))}")
+    if report.leftovers:
+        out.print(f"  removed {report.leftovers} leftover(s) of interrupted writes (temp files, uploads)")
     out.print(f"  kept: steps {', '.join(map(str, kept)) or 'none'}")
-    for w in plan.warnings:
-        console(stderr=True).print(f"[yellow]warning[/yellow]: {w}")
+    err = console(stderr=True)
+    for w in report.warnings:
+        err.print(f"[yellow]warning[/yellow]: {w}")
+    for s in report.skipped:
+        err.print(f"[red]error[/red]: {s.reason}")
     sys.stdout.flush()
+    return 1 if report.skipped else 0
+
+
+# -- unlock --------------------------------------------------------------------------------------
+
+
+def cmd_unlock(args: argparse.Namespace) -> int:
+    from tierio.ckpt.ops import unlock
+
+    with _store(args.url) as store:
+        holder = unlock(store, force=args.force)
+    if args.json:
+        print_json({"url": args.url, "removed": None if holder is None else {"run": holder.run, "host": holder.host,
+                                                                               "pid": holder.pid}})
+        return 0
+    if holder is None:
+        console().print(f"{args.url} has no lease (or only an unreadable one, now removed)")
+    else:
+        console().print(f"removed the lease of run {holder.run} (host {holder.host}, pid {holder.pid}) from {args.url}")
     return 0

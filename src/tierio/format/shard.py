@@ -42,9 +42,12 @@ def shard_name(rank: int) -> str:
     return f"rank_{rank:0{RANK_DIGITS}d}.safetensors"
 
 
-def fragment_name(rank: int) -> str:
-    """Per-rank manifest fragment, written once that rank's shard is durable."""
-    return f"rank_{rank:0{RANK_DIGITS}d}.json"
+def fragment_name(rank: int, token: str) -> str:
+    """Per-rank manifest fragment, written once that rank's shard is durable. ``token`` names the
+    run and branch writing it, so rank 0 never merges a fragment some other save left behind."""
+    if not re.fullmatch(r"[0-9a-f]{1,16}", token):
+        raise FormatError(f"fragment token {token!r} must be 1-16 lowercase hex digits")
+    return f"rank_{rank:0{RANK_DIGITS}d}.{token}.json"
 
 
 def manifest_key(step: int) -> str:
@@ -55,8 +58,8 @@ def shard_key(step: int, rank: int) -> str:
     return f"{step_dir(step)}/{shard_name(rank)}"
 
 
-def fragment_key(step: int, rank: int) -> str:
-    return f"{step_dir(step)}/{fragment_name(rank)}"
+def fragment_key(step: int, rank: int, token: str) -> str:
+    return f"{step_dir(step)}/{fragment_name(rank, token)}"
 
 
 @dataclass(frozen=True)

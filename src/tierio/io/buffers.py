@@ -12,6 +12,8 @@ import logging
 import mmap
 import os
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -96,56 +98,102 @@ class HostBuffer:
 
 @dataclass
 class BufferPool:
-    """Reusable HostBuffers under a memory budget.
+    """Reusable HostBuffers under a memory budget and, optionally, a cap on how many exist.
 
-    ``acquire`` hands out the smallest free buffer that fits, allocating a new one only while the
-    budget allows; otherwise it waits for a ``release``. Buffers are never freed while the pool lives,
-    so their pages stay faulted in (and pinned) across operations.
+    ``acquire`` hands out the smallest free buffer that fits. Otherwise it allocates a new one
+    while the budget (``budget_bytes``; None: no byte limit) and the cap (``max_buffers``; None:
+    no cap) allow, letting go of a free buffer that is too small when either does not; else it
+    waits for a ``release``. Buffers are kept while the pool lives, so their pages stay faulted in
+    (and pinned) across operations. A waiter also wakes on ``wake()``, when its ``abort`` callback
+    may raise (a background failure it must report instead of waiting on), and on ``close()``.
     """
 
-    budget_bytes: int
+    budget_bytes: int | None
     pin: bool | None = None
+    max_buffers: int | None = None
     _free: list[HostBuffer] = field(default_factory=list)
     _allocated: int = 0
+    _busy: int = 0  # buffers handed out and not released yet
+    _allocations: int = 0
+    _closed: bool = False
     _cond: threading.Condition = field(default_factory=threading.Condition)
 
     @property
     def allocated_bytes(self) -> int:
         return self._allocated
 
-    def acquire(self, nbytes: int, timeout: float | None = None) -> HostBuffer:
+    @property
+    def allocations(self) -> int:
+        """Buffers created so far (in a steady state this stops growing)."""
+        return self._allocations
+
+    def acquire(self, nbytes: int, timeout: float | None = None,
+                abort: Callable[[], None] | None = None) -> HostBuffer:
         need = align_up(max(nbytes, 1), PAGE)
-        if need > self.budget_bytes:
+        if self.budget_bytes is not None and need > self.budget_bytes:
             raise ConfigError(
                 f"a {need}-byte staging buffer exceeds the pool budget of {self.budget_bytes} bytes; "
                 "raise the memory budget or write smaller shards"
             )
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
-                fits = [b for b in self._free if b.capacity >= need]
-                if fits:
-                    buf = min(fits, key=lambda b: b.capacity)
-                    self._free.remove(buf)
-                    return buf
-                if self._allocated + need <= self.budget_bytes:
-                    self._allocated += need
-                    break
-                if self._free:  # budget is held by free buffers that are too small: replace one
-                    small = self._free.pop(0)
-                    self._allocated -= small.capacity
-                    continue
-                if not self._cond.wait(timeout):
+                if self._closed:
+                    raise ConfigError("this buffer pool is closed; no buffer can be taken from it")
+                if self.max_buffers is None or self._busy < self.max_buffers:
+                    fits = [b for b in self._free if b.capacity >= need]
+                    if fits:
+                        buf = min(fits, key=lambda b: b.capacity)
+                        self._free.remove(buf)
+                        self._busy += 1
+                        return buf
+                    at_cap = self.max_buffers is not None and len(self._free) + self._busy >= self.max_buffers
+                    room = self.budget_bytes is None or self._allocated + need <= self.budget_bytes
+                    if self._free and (at_cap or not room):
+                        small = self._free.pop(0)  # too small for this request: make room for one that fits
+                        self._allocated -= small.capacity
+                        continue
+                    if room:
+                        self._allocated += need
+                        self._busy += 1
+                        self._allocations += 1
+                        break
+                if abort is not None:
+                    abort()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
                     raise TimeoutError(f"no staging buffer of {need} bytes became free in {timeout}s")
+                self._cond.wait(left)
         try:
             return HostBuffer(need, pin=self.pin)
         except BaseException:
             with self._cond:
                 self._allocated -= need
+                self._busy -= 1
+                self._cond.notify_all()
             raise
 
     def release(self, buf: HostBuffer) -> None:
         with self._cond:
-            self._free.append(buf)
+            self._busy -= 1
+            if self._closed:
+                self._allocated -= buf.capacity
+            else:
+                self._free.append(buf)
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Wake every waiter so that it re-checks its ``abort`` callback."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Drop the free buffers and refuse further acquires; waiters raise."""
+        with self._cond:
+            self._closed = True
+            for buf in self._free:
+                self._allocated -= buf.capacity
+            self._free.clear()
             self._cond.notify_all()
 
 
