@@ -48,7 +48,8 @@ _HEX = re.compile(r"[0-9a-f]+")
 _MISSING = object()
 
 # What parsers raise on odd input when nothing checked first; `parsing` maps them to FormatError.
-_PARSE_ERRORS = (
+# (Public for hot paths that map them with a plain try/except instead of the context manager.)
+PARSE_ERRORS = _PARSE_ERRORS = (
     ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError, OverflowError,
     UnicodeError, SyntaxError, struct.error, EOFError, AssertionError,
 )
@@ -313,7 +314,7 @@ class Fields:
 
 
 __all__ = [
-    "MAX_COUNT", "MAX_DEPTH", "MAX_EXPANSION", "Fields", "brief", "check_dict", "check_float", "check_hex", "check_int",
-    "check_ints", "check_list", "check_plain_name", "check_str", "estimated_memory", "expansion_ok", "loads",
-    "nesting_depth", "parser", "parsing", "read_json_file",
+    "MAX_COUNT", "MAX_DEPTH", "MAX_EXPANSION", "PARSE_ERRORS", "Fields", "brief", "check_dict", "check_float",
+    "check_hex", "check_int", "check_ints", "check_list", "check_plain_name", "check_str", "estimated_memory",
+    "expansion_ok", "loads", "nesting_depth", "parser", "parsing", "read_json_file",
 ]
