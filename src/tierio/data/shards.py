@@ -25,6 +25,7 @@ import os
 import re
 import struct
 import tarfile
+import tokenize
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
@@ -76,10 +77,13 @@ def _npy_header(head: bytes) -> tuple[np.dtype, tuple[int, ...]]:
     with parsing("sample field (.npy header)"):
         version = (head[6], head[7])
         f = io.BytesIO(head[8:])
-        if version == (1, 0):
-            d = np.lib.format.read_array_header_1_0(f, max_header_size=NPY_HEADER_MAX)
-        else:
-            d = np.lib.format.read_array_header_2_0(f, max_header_size=NPY_HEADER_MAX)
+        try:
+            if version == (1, 0):
+                d = np.lib.format.read_array_header_1_0(f, max_header_size=NPY_HEADER_MAX)
+            else:
+                d = np.lib.format.read_array_header_2_0(f, max_header_size=NPY_HEADER_MAX)
+        except tokenize.TokenError as exc:  # numpy tokenizes headers of old writers
+            raise FormatError(f"sample field has a malformed .npy header ({exc})") from None
         shape, fortran, dtype = d
         if dtype.hasobject or fortran or dtype.itemsize == 0:
             raise FormatError("sample field holds objects, Fortran-ordered or zero-width data; shards carry plain arrays only")
