@@ -139,6 +139,14 @@ def test_a_checkpoint_whose_manifest_its_reader_would_refuse_is_not_committed(tm
     assert list_checkpoints(tmp_path / "t0") == []  # refused when saving, not found unreadable when restoring
 
 
+def test_an_integer_the_manifest_reader_would_refuse_is_refused_when_saving(tmp_path):
+    with CheckpointManager([tmp_path / "t0"]) as mgr:
+        mgr.save(1, {"w": torch.ones(2), "seed": 2**64}).wait()  # 20 digits: fine
+        assert mgr.restore(1)["seed"] == 2**64
+        with pytest.raises(ConfigError, match="digits"):
+            mgr.save(2, {"w": torch.ones(2), "seed": 10**30})
+
+
 # -- safetensors headers ----------------------------------------------------------------------
 def _st(path: Path, header: bytes, data: bytes = b"", length: int | None = None) -> Path:
     path.write_bytes(struct.pack("<Q", len(header) if length is None else length) + header + data)
@@ -185,7 +193,7 @@ def test_a_header_larger_than_its_data_can_need_is_refused_unread(tmp_path):
 
 # -- Hugging Face index -----------------------------------------------------------------------
 @pytest.mark.parametrize("index, match", [
-    pytest.param(b'{"weight_map": ' + DEEP + b"}", "not valid JSON|deeper", id="deep"),
+    pytest.param(b'{"weight_map": ' + DEEP + b"}", "nested too deeply|deeper", id="deep"),
     pytest.param(b'{"metadata": {"total_size": ' + HUGE_INT.encode() + b'}, "weight_map": {}}', "not valid JSON", id="huge-int"),
     pytest.param(json.dumps({"weight_map": {"w": "../outside.safetensors"}}).encode(), "not a relative name", id="traversal"),
     pytest.param(json.dumps({"weight_map": {"w": 5}}).encode(), "expected a string", id="not-a-string"),

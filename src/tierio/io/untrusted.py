@@ -159,8 +159,12 @@ def loads(raw: bytes | bytearray | memoryview | str, where: str, *, limit: int, 
         )
     try:
         doc = json.loads(data.decode("utf-8"), parse_int=_int, parse_float=_float, parse_constant=_constant)
-    except (ValueError, RecursionError, UnicodeError) as exc:
-        raise FormatError(f"{where} is not valid JSON ({type(exc).__name__}: {_short(exc)}); it is corrupt, or not the file expected") from None
+    except UnicodeError as exc:
+        raise FormatError(f"{where} is not JSON (not UTF-8 text: {_short(exc)}); it is corrupt, or not the file expected") from None
+    except RecursionError:
+        raise FormatError(f"{where} is not JSON tierio reads (nested too deeply to parse); it is corrupt or hostile") from None
+    except ValueError as exc:
+        raise FormatError(f"{where} is not JSON (not valid JSON: {_short(exc)}); it is corrupt, or not the file expected") from None
     if nesting_depth(data) > max_depth:
         raise FormatError(f"{where} nests deeper than {max_depth} levels; it is corrupt or hostile")
     return doc
