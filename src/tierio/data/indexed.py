@@ -121,17 +121,16 @@ def open_data_file(path: Path, doing: str) -> int:
 @parser
 def parse_header(head: bytes, where: str) -> IndexHeader:
     """The fixed header at the start of an ``.idx`` (``head`` = its first HEADER_SIZE bytes)."""
-    p = where
     if len(head) < HEADER_SIZE:
-        raise FormatError(f"{p}: index is {len(head)} bytes, shorter than its {HEADER_SIZE}-byte header; the file is truncated, rebuild it")
+        raise FormatError(f"{where}: index is {len(head)} bytes, shorter than its {HEADER_SIZE}-byte header; the file is truncated, rebuild it")
     if head[:9] != MAGIC:
-        raise FormatError(f"{p}: not a Megatron MMIDIDX index (magic {head[:9]!r}); pass the .idx written with its .bin")
+        raise FormatError(f"{where}: not a Megatron MMIDIDX index (magic {head[:9]!r}); pass the .idx written with its .bin")
     (version,) = struct.unpack_from("<Q", head, 9)
     if version != VERSION:
-        raise FormatError(f"{p}: index version {version} is not supported (only version {VERSION})")
+        raise FormatError(f"{where}: index version {version} is not supported (only version {VERSION})")
     code = head[17]
     if code not in DTYPE_CODES:
-        raise FormatError(f"{p}: unknown dtype code {code} in index header; the file is corrupt")
+        raise FormatError(f"{where}: unknown dtype code {code} in index header; the file is corrupt")
     n, d = struct.unpack_from("<QQ", head, 18)
     return IndexHeader(DTYPE_CODES[code], int(n), int(d))
 
