@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -24,7 +23,9 @@ from typing import Any
 from tierio.errors import ConfigError, FormatError
 from tierio.format.safetensors import ITEMSIZES
 from tierio.format.statetree import MAX_JSON_DEPTH, tensor_refs
-from tierio.io.untrusted import MAX_EXPANSION, Fields, brief, check_dict, estimated_memory, expansion_ok, loads, parser
+from tierio.io.untrusted import (
+    MAX_EXPANSION, Fields, brief, check_dict, check_hex, check_plain_name, estimated_memory, expansion_ok, loads, parser,
+)
 
 SCHEMA = "tierio.checkpoint"
 SCHEMA_VERSION = 1
@@ -36,8 +37,6 @@ MAX_WORLD_SIZE = 1 << 20
 MAX_DIMS = 64
 MAX_CHUNKS = 1 << 24
 
-_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")
-_HEX_RE = re.compile(r"[0-9a-f]{16}")
 
 
 @dataclass(frozen=True, slots=True)  # manifests hold hundreds of thousands of these
@@ -154,9 +153,10 @@ def rank_to_json(r: RankEntry) -> dict:
 # -- strict reading ----------------------------------------------------------------------------
 def check_name(name: Any, where: str) -> str:
     """A file name confined to the step directory: no separators, no '..', no absolute paths."""
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or ".." in name:
-        raise FormatError(f"{where}: file name {brief(name)} is not a plain name inside the checkpoint; the manifest is corrupt or hostile")
-    return name
+    try:
+        return check_plain_name(name, where)
+    except FormatError:
+        raise FormatError(f"{where}: file name {brief(name)} is not a plain name inside the checkpoint; the manifest is corrupt or hostile") from None
 
 
 def _dims_ok(v: Any, max_len: int) -> bool:
@@ -186,9 +186,7 @@ def _chunk(doc: Any, cw: str, rank: int, file: str, size: int, shape: tuple[int,
             raise FormatError(f"{cw}: offsets {offs} + shape {cshape} exceed the tensor's shape {list(shape)}")
     if rng[1] - rng[0] != math.prod(cshape_t) * isz:
         raise FormatError(f"{cw}: {rng[1] - rng[0]} bytes do not match shape {cshape} of {dt}")
-    digest = c.get("xxh3")
-    if type(digest) is not str or not _HEX_RE.fullmatch(digest):
-        raise FormatError(f"{cw}: xxh3 must be 16 lowercase hex digits, got {brief(digest)}")
+    digest = check_hex(c.get("xxh3"), f"{cw}: xxh3", 16)
     return ChunkInfo(file, rng[0], rng[1], tuple(offs), cshape_t, digest)
 
 

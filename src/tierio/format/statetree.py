@@ -27,14 +27,13 @@ import numpy as np
 import torch
 
 from tierio.errors import ConfigError, FormatError
-from tierio.io.untrusted import brief
+from tierio.io.untrusted import MAX_INT_DIGITS, brief
 
 MARKERS = ("__tensor__", "__ndarray__", "__tuple__", "__dict__", "__float__", "__bytes__", "__dtype__", "__np__")
 MAX_DEPTH = 200
 # JSON nesting of a tree of MAX_DEPTH levels: a non-str-key dict level is 3 JSON levels
 # ({"__dict__": [[k, v]]}), and a numpy scalar leaf adds 3 more ({"__np__": [dt, {"__float__": ..}]}).
 MAX_JSON_DEPTH = 3 * MAX_DEPTH + 4
-MAX_INT_DIGITS = 24  # what io.untrusted.loads reads back; longer integers are refused when saving
 # torch dtypes by name, read without getattr(torch, name) (which may import submodules)
 _TORCH_DTYPES = {name: obj for name, obj in vars(torch).items() if isinstance(obj, torch.dtype)}
 
@@ -49,8 +48,8 @@ def _scalar(x: Any, where: str) -> Any:
     """Encode a JSON-able scalar (also used for dict keys)."""
     if x is None or isinstance(x, (bool, str)):
         return x
-    if isinstance(x, int):
-        if len(str(abs(x))) > MAX_INT_DIGITS:
+    if isinstance(x, int):  # io.untrusted.loads refuses longer integers: refuse them when saving
+        if abs(x) >= 10**MAX_INT_DIGITS:
             raise ConfigError(f"integer at {where!r} has more than {MAX_INT_DIGITS} digits; store it as a string")
         return int(x)
     if isinstance(x, float):
