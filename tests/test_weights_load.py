@@ -208,10 +208,10 @@ def test_load_into_module_streams_without_second_copy(tmp_path):
 
 
 def test_tierio_checkpoint_model_subtree(tmp_path):
-    step = tmp_path / "step_000000042"
-    step.mkdir()
-    save_file({"model.w": torch.arange(6.0).view(2, 3), "model.b": torch.ones(3), "optim.m": torch.zeros(3)}, str(step / "rank_00000.safetensors"))
-    (step / "manifest.json").write_text(json.dumps({"step": 42, "tensors": {"model.w": {"chunks": [{"file": "rank_00000.safetensors"}]}}}))
+    from tierio.ckpt import CheckpointManager
+
+    with CheckpointManager([tmp_path]) as mgr:
+        mgr.save(42, {"model": {"w": torch.arange(6.0).view(2, 3), "b": torch.ones(3)}, "optim": {"m": torch.zeros(3)}}).wait()
     (tmp_path / "step_000000041").mkdir()  # uncommitted (no manifest): ignored
     out = load(tmp_path)
     assert sorted(out) == ["b", "w"] and torch.equal(out["w"], torch.arange(6.0).view(2, 3))

@@ -22,6 +22,7 @@ from tierio.format.statetree import unflatten
 from tierio.io.buffers import HostBuffer
 from tierio.io.checksum import verify as verify_checksum
 from tierio.io.checksum import xxh3
+from tierio.io.untrusted import parsing
 from tierio.storage.base import Store, read_bytes
 from tierio.storage.scatter import read_scatter
 
@@ -136,7 +137,8 @@ def load_rank(store: Store, manifest: Manifest, rank: int, into: Any = None, *, 
             targets[name] = target
         return torch.empty(0)
 
-    unflatten(entry.tree, note, into)
+    with parsing(f"{w}: the state tree of its manifest"):  # a hostile tree is a bad copy, not a crash
+        unflatten(entry.tree, note, into)
 
     # Pass 2: read. Matching CPU targets receive their bytes in place; every other tensor gets a
     # fresh contiguous tensor of the stored dtype (copied into its target, if any, in pass 3).
@@ -188,7 +190,8 @@ def load_rank(store: Store, manifest: Manifest, rank: int, into: Any = None, *, 
         made[name] = out
         return out
 
-    return unflatten(entry.tree, get, into)
+    with parsing(f"{w}: the state tree of its manifest"):
+        return unflatten(entry.tree, get, into)
 
 
 def _local_shape(t: TensorInfo) -> tuple[int, ...]:

@@ -9,7 +9,6 @@ id fits, in one streaming pass: the smallest fitting dtype either way.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,9 +25,7 @@ from tierio.data.indexed import (
     idx_path,
     optimal_dtype,
     strip_suffix,
-    write_index,
 )
-from tierio.io.durable import temp_name
 from tierio.io.files import os_error
 
 
@@ -55,10 +52,14 @@ def _lines(p: Path, text: bool) -> Iterator[tuple[int, str | bytes]]:
         f = open(p, encoding="utf-8") if text else open(p, "rb")
     except OSError as exc:
         raise os_error(exc, p, "opening") from exc
+    lineno = 0
     with f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                yield lineno, line
+        try:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    yield lineno, line
+        except UnicodeDecodeError:
+            raise FormatError(f"{p}:{lineno + 1}: not UTF-8 text") from None
 
 
 def iter_jsonl_tokens(path: str | Path, key: str = "tokens") -> Iterator[np.ndarray]:
@@ -67,15 +68,18 @@ def iter_jsonl_tokens(path: str | Path, key: str = "tokens") -> Iterator[np.ndar
     for lineno, line in _lines(p, text=False):
         try:
             obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise FormatError(f"{p}:{lineno}: not valid JSON ({exc.msg}); each line must be one document") from None
+        except (ValueError, RecursionError) as exc:  # also integers over 4300 digits, deep nesting, bad UTF-8
+            raise FormatError(f"{p}:{lineno}: not valid JSON ({exc}); each line must be one document") from None
         if isinstance(obj, dict):
             if key not in obj:
                 raise FormatError(f"{p}:{lineno}: object has no {key!r} field; pass --key with the field holding token ids")
             obj = obj[key]
         if not isinstance(obj, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in obj):
             raise FormatError(f"{p}:{lineno}: expected a list of integer token ids")
-        yield np.asarray(obj, dtype=np.int64)
+        try:
+            yield np.asarray(obj, dtype=np.int64)
+        except OverflowError:
+            raise FormatError(f"{p}:{lineno}: a token id does not fit a 64-bit integer") from None
 
 
 def iter_npy_docs(path: str | Path) -> Iterator[np.ndarray]:
@@ -85,7 +89,7 @@ def iter_npy_docs(path: str | Path) -> Iterator[np.ndarray]:
         raise NotFoundError(f"{p} does not exist")
     try:
         arr = np.load(p, mmap_mode="r", allow_pickle=False)
-    except ValueError as exc:
+    except (ValueError, EOFError, OSError) as exc:  # a truncated file is an EOFError or a short mapping
         raise FormatError(f"{p}: not a plain numeric .npy array ({exc})") from None
     if arr.dtype.kind not in "iu":
         raise FormatError(f"{p}: token arrays must be integers, got {arr.dtype}")
@@ -129,9 +133,12 @@ def iter_text_docs(
             if p.suffix == ".jsonl":
                 try:
                     obj = json.loads(line)
-                    yield obj[text_key]
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise FormatError(f"{p}:{lineno}: expected a JSON object with a {text_key!r} string") from None
+                    text = obj[text_key]
+                except (ValueError, RecursionError, KeyError, TypeError, IndexError):
+                    text = None
+                if not isinstance(text, str):
+                    raise FormatError(f"{p}:{lineno}: expected a JSON object with a {text_key!r} string")
+                yield text
             else:
                 yield line.rstrip("\n")
 
@@ -196,8 +203,8 @@ def build_indexed(
                         raise FormatError(f"document {w.documents}: token id {hi} >= vocabulary size {vocab_size}")
                     max_id = max(max_id, hi)
             w.add_document(arr)
-    if narrow_later and max_id < UINT16_VOCAB_LIMIT:
-        _narrow_to_uint16(prefix)
+        # narrowed before the pair is published: the old dataset stays until the new one is whole
+        w.finalize(np.uint16 if narrow_later and max_id < UINT16_VOCAB_LIMIT else None)
     return _stats(prefix, max_id)
 
 
@@ -214,32 +221,6 @@ def _stats(prefix: str | Path, max_id: int | None) -> BuildStats:
         )
     finally:
         ds.close()
-
-
-def _narrow_to_uint16(prefix: str | Path) -> None:
-    """Rewrite an int32 dataset as uint16 in 8 MiB pieces (ids already known to fit)."""
-    src = IndexedDataset(prefix)
-    try:
-        lengths = np.array(src.sequence_lengths)
-        docs = np.array(src.document_indices)
-        flat = src.flat_tokens()
-        final = bin_path(prefix)
-        tmp = temp_name(final)
-        step = 4 << 20
-        try:
-            with open(tmp, "wb", buffering=8 << 20) as f:
-                for start in range(0, len(flat), step):
-                    f.write(np.asarray(flat[start : start + step], dtype=np.uint16).tobytes())
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise os_error(exc, final, "narrowing tokens to uint16 in") from exc
-    finally:
-        src.close()
-    # .bin first, then .idx: a crash between the two leaves a pair that fails validation loudly
-    os.replace(tmp, final)
-    write_index(idx_path(prefix), np.uint16, lengths, docs)
 
 
 def merge_indexed(inputs: list[str | Path], prefix: str | Path) -> BuildStats:

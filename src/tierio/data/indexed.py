@@ -21,6 +21,7 @@ pair fails with a FormatError naming the file instead of returning wrong tokens.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -31,8 +32,11 @@ import numpy as np
 
 from tierio.errors import ConfigError, FormatError, NotFoundError
 from tierio.io.checksum import StreamingChecksum
-from tierio.io.durable import atomic_write, temp_name
+from tierio.io.durable import atomic_write
 from tierio.io.files import os_error
+from tierio.io.paths import open_regular
+from tierio.io.publish import PendingFile, finish_publish, publish, recover
+from tierio.io.untrusted import parser, parsing
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -95,33 +99,46 @@ class IndexHeader:
 
 def read_header(path: str | Path) -> IndexHeader:
     p = Path(path)
+    fd = open_data_file(p, "reading index")
     try:
-        with open(p, "rb") as f:
-            head = f.read(HEADER_SIZE)
+        head = os.pread(fd, HEADER_SIZE, 0)
     except OSError as exc:
         raise os_error(exc, p, "reading index") from exc
+    finally:
+        os.close(fd)
+    return parse_header(head, str(p))
+
+
+def open_data_file(path: Path, doing: str) -> int:
+    """A descriptor of an existing regular file: a FIFO or device in its place is refused, not
+    waited on (a reader would block forever on a FIFO nobody writes)."""
+    try:
+        return open_regular(path)
+    except OSError as exc:
+        raise os_error(exc, path, doing) from exc
+
+
+@parser
+def parse_header(head: bytes, where: str) -> IndexHeader:
+    """The fixed header at the start of an ``.idx`` (``head`` = its first HEADER_SIZE bytes)."""
     if len(head) < HEADER_SIZE:
-        raise FormatError(f"{p}: index is {len(head)} bytes, shorter than its {HEADER_SIZE}-byte header; the file is truncated, rebuild it")
+        raise FormatError(f"{where}: index is {len(head)} bytes, shorter than its {HEADER_SIZE}-byte header; the file is truncated, rebuild it")
     if head[:9] != MAGIC:
-        raise FormatError(f"{p}: not a Megatron MMIDIDX index (magic {head[:9]!r}); pass the .idx written with its .bin")
+        raise FormatError(f"{where}: not a Megatron MMIDIDX index (magic {head[:9]!r}); pass the .idx written with its .bin")
     (version,) = struct.unpack_from("<Q", head, 9)
     if version != VERSION:
-        raise FormatError(f"{p}: index version {version} is not supported (only version {VERSION})")
+        raise FormatError(f"{where}: index version {version} is not supported (only version {VERSION})")
     code = head[17]
     if code not in DTYPE_CODES:
-        raise FormatError(f"{p}: unknown dtype code {code} in index header; the file is corrupt")
+        raise FormatError(f"{where}: unknown dtype code {code} in index header; the file is corrupt")
     n, d = struct.unpack_from("<QQ", head, 18)
     return IndexHeader(DTYPE_CODES[code], int(n), int(d))
 
 
-def write_index(
-    path: str | Path,
-    dtype: Any,
-    sequence_lengths: np.ndarray,
-    document_indices: np.ndarray,
-    sequence_modes: np.ndarray | None = None,
-) -> None:
-    """Write an ``.idx`` file atomically (temp + fsync + rename); pointers are derived from lengths."""
+def index_parts(
+    dtype: Any, sequence_lengths: np.ndarray, document_indices: np.ndarray, sequence_modes: np.ndarray | None = None,
+) -> list[bytes]:
+    """The bytes of an ``.idx`` in order; pointers are derived from the lengths."""
     dt = np.dtype(dtype)
     lengths = np.ascontiguousarray(sequence_lengths, dtype=np.int32)
     pointers = np.zeros(len(lengths), dtype=np.int64)
@@ -141,7 +158,19 @@ def write_index(
     ]
     if sequence_modes is not None:
         parts.append(np.ascontiguousarray(sequence_modes, dtype=np.int8).tobytes())
-    atomic_write(Path(path), parts, direct=False)
+    return parts
+
+
+def write_index(
+    path: str | Path,
+    dtype: Any,
+    sequence_lengths: np.ndarray,
+    document_indices: np.ndarray,
+    sequence_modes: np.ndarray | None = None,
+) -> None:
+    """Write an ``.idx`` file alone, atomically (temp + fsync + rename). A new dataset's pair is
+    published together by :class:`IndexedDatasetWriter` instead."""
+    atomic_write(Path(path), index_parts(dtype, sequence_lengths, document_indices, sequence_modes), direct=False)
 
 
 class _Growable:
@@ -174,22 +203,27 @@ class _Growable:
 class IndexedDatasetWriter:
     """Stream sequences into ``prefix.bin`` and write ``prefix.idx`` on ``finalize()``.
 
-    Only the index (12 bytes per sequence) is kept in memory; tokens go straight to the file.
-    Both files appear under their final names only when the dataset is complete. Use as a
-    context manager: an exception removes the partial files.
+    Only the index (12 bytes per sequence) is kept in memory; tokens go straight to a temp file.
+    The pair is published as one unit (io.publish): both files are written and synced under temp
+    names first, so a failure anywhere (a full disk on the index, an exception, a kill) leaves the
+    previous pair of that name intact, or the complete new one. Temps that killed builds left
+    behind are removed when a writer starts. Use as a context manager: an exception removes the
+    partial files.
     """
 
     def __init__(self, prefix: str | Path, dtype: Any = np.int32, multimodal: bool = False) -> None:
         self.prefix = str(prefix)
         self.dtype = np.dtype(dtype)
         dtype_code(self.dtype)  # reject dtypes Megatron cannot name, before writing anything
-        self._bin_final = bin_path(prefix)
-        self._bin_final.parent.mkdir(parents=True, exist_ok=True)
-        self._bin_tmp = temp_name(self._bin_final)
+        self._bin_final, self._idx_final = bin_path(prefix), idx_path(prefix)
         try:
-            self._f = open(self._bin_tmp, "wb", buffering=8 << 20)
+            self._bin_final.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise os_error(exc, self._bin_tmp, "creating") from exc
+            raise os_error(exc, self._bin_final.parent, "creating directory") from exc
+        recover(self._idx_final, [self._bin_final, self._idx_final])
+        self._bin = PendingFile(self._bin_final)
+        self._pending = [self._bin]
+        self._f = open(self._bin.fd, "wb", buffering=8 << 20, closefd=False)  # the lock stays with the fd
         self._lengths = _Growable(np.int32)
         self._docs = _Growable(np.int64)
         self._docs.append(0)
@@ -268,7 +302,7 @@ class IndexedDatasetWriter:
         try:
             self._f.write(data)
         except OSError as exc:
-            raise os_error(exc, self._bin_tmp, "writing") from exc
+            raise os_error(exc, self._bin.path, "writing") from exc
         self.tokens += len(arr)
 
     # -- finishing -----------------------------------------------------------------------
@@ -280,24 +314,51 @@ class IndexedDatasetWriter:
     def documents(self) -> int:
         return len(self._docs) - 1
 
-    def finalize(self) -> Path:
-        """Flush and fsync the .bin, write the .idx, publish both; returns the .idx path."""
+    def finalize(self, dtype: Any = None) -> Path:
+        """Finish both files and publish the pair; returns the .idx path.
+
+        ``dtype``: store the tokens in this (narrower) dtype instead, converted in one streaming
+        pass before anything is published (every token id must fit it)."""
         if self._done:
-            return idx_path(self.prefix)
+            return self._idx_final
         if self._docs.view()[-1] != len(self._lengths):
             self.end_document()  # items added without end_document(): close the last document
         try:
-            self._f.flush()
-            os.fsync(self._f.fileno())
-            self._f.close()
-            os.replace(self._bin_tmp, self._bin_final)
-        except OSError as exc:
+            try:
+                self._f.close()  # flushes the buffered tokens
+            except OSError as exc:
+                raise os_error(exc, self._bin.path, "writing") from exc
+            if dtype is not None and np.dtype(dtype) != self.dtype:
+                self._convert(np.dtype(dtype))
+            idx = PendingFile(self._idx_final)
+            self._pending.append(idx)
+            modes = self._modes.view() if self._modes is not None else None
+            for part in index_parts(self.dtype, self._lengths.view(), self._docs.view(), modes):
+                idx.write(part)
+            publish([self._bin, idx], self._idx_final)
+        except BaseException:
             self.abort()
-            raise os_error(exc, self._bin_final, "finishing") from exc
-        modes = self._modes.view() if self._modes is not None else None
-        write_index(idx_path(self.prefix), self.dtype, self._lengths.view(), self._docs.view(), modes)
+            raise
         self._done = True
-        return idx_path(self.prefix)
+        return self._idx_final
+
+    def _convert(self, dtype: np.dtype) -> None:
+        """Rewrite the written tokens as ``dtype`` into a new temp (8 MiB pieces), replacing the old temp."""
+        dtype_code(dtype)
+        out = PendingFile(self._bin_final)
+        self._pending.append(out)
+        if self.tokens:
+            src = np.memmap(self._bin.path, dtype=self.dtype, mode="r", shape=(self.tokens,))
+            info = np.iinfo(dtype) if dtype.kind in "iu" else None
+            step = (8 << 20) // self.dtype.itemsize
+            for start in range(0, self.tokens, step):
+                piece = np.asarray(src[start : start + step])
+                if info is not None and piece.size and (int(piece.min()) < info.min or int(piece.max()) > info.max):
+                    raise ConfigError(f"token ids of {self.prefix} do not fit {dtype}; keep {self.dtype}")
+                out.write(piece.astype(dtype))
+            del src
+        self._bin.discard()
+        self._bin, self.dtype = out, dtype
 
     def abort(self) -> None:
         if self._done:
@@ -307,7 +368,8 @@ class IndexedDatasetWriter:
             self._f.close()
         except OSError:
             pass
-        self._bin_tmp.unlink(missing_ok=True)
+        for f in self._pending:
+            f.discard()
 
     def __enter__(self) -> IndexedDatasetWriter:
         return self
@@ -335,12 +397,26 @@ class IndexedDataset:
 
     def _open(self) -> None:
         ipath, bpath = idx_path(self.prefix), bin_path(self.prefix)
+        finish_publish(ipath)  # a rebuild interrupted between its two renames: complete it first
         for p in (ipath, bpath):
             if not p.exists():
                 raise NotFoundError(f"{p} does not exist: an indexed dataset needs both {ipath.name} and {bpath.name}")
-        head = read_header(ipath)
+        ifd = open_data_file(ipath, "opening index")
+        try:
+            bfd = open_data_file(bpath, "opening data file")
+            try:
+                with parsing(str(ipath)):
+                    self._map(ipath, bpath, ifd, bfd)
+            finally:
+                os.close(bfd)
+        finally:
+            os.close(ifd)
+
+    def _map(self, ipath: Path, bpath: Path, ifd: int, bfd: int) -> None:
+        """Check the pair from its descriptors (sizes first, nothing allocated from a count), then map it."""
+        head = parse_header(os.pread(ifd, HEADER_SIZE, 0), str(ipath))
         n, d = head.sequence_count, head.document_count
-        idx_size = ipath.stat().st_size
+        idx_size = os.fstat(ifd).st_size
         body = HEADER_SIZE + n * (4 + 8) + d * 8
         if idx_size < body:
             raise FormatError(
@@ -354,7 +430,7 @@ class IndexedDataset:
         if idx_size != expected:
             raise FormatError(f"{ipath}: index is {idx_size} bytes, expected {expected}; the file is corrupt or has trailing data")
         self.dtype = head.dtype
-        self._idx_map = np.memmap(ipath, dtype=np.uint8, mode="r")
+        self._idx_map = np.frombuffer(mmap.mmap(ifd, idx_size, access=mmap.ACCESS_READ), dtype=np.uint8)
         buf = self._idx_map
         off = HEADER_SIZE
         self.sequence_lengths = np.frombuffer(buf, dtype=np.int32, count=n, offset=off)
@@ -365,7 +441,7 @@ class IndexedDataset:
         off += 8 * d
         self.sequence_modes = np.frombuffer(buf, dtype=np.int8, count=n, offset=off) if multimodal else None
 
-        bin_size = bpath.stat().st_size
+        bin_size = os.fstat(bfd).st_size
         itemsize = self.dtype.itemsize
         end = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * itemsize if n else 0
         if bin_size != end:
@@ -376,8 +452,10 @@ class IndexedDataset:
             )
         if self._validate:
             self._check_index(ipath, itemsize)
-        # np.memmap refuses empty files; an empty dataset gets an empty array instead
-        self._bin_map = np.memmap(bpath, dtype=self.dtype, mode="r") if bin_size else np.empty(0, self.dtype)
+        # mmap refuses empty files; an empty dataset gets an empty array instead
+        self._bin_map = (
+            np.frombuffer(mmap.mmap(bfd, bin_size, access=mmap.ACCESS_READ), dtype=self.dtype) if bin_size else np.empty(0, self.dtype)
+        )
 
     def _check_index(self, ipath: Path, itemsize: int) -> None:
         lengths, pointers, docs = self.sequence_lengths, self.sequence_pointers, self.document_indices
@@ -410,8 +488,8 @@ class IndexedDataset:
     def close(self) -> None:
         for name in ("_bin_map", "_idx_map"):
             m = getattr(self, name, None)
-            mm = getattr(m, "_mmap", None)
-            if mm is not None:
+            mm = getattr(m, "base", None)
+            if isinstance(mm, mmap.mmap):
                 try:
                     mm.close()
                 except (BufferError, ValueError):

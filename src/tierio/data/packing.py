@@ -29,15 +29,20 @@ from __future__ import annotations
 import bisect
 import io
 import json
+import os
+import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
+from tierio.data.shards import decode_npy
 from tierio.errors import ConfigError, FormatError, NotFoundError
 from tierio.io.durable import atomic_write
+from tierio.io.paths import open_regular
+from tierio.io.untrusted import Fields, check_float, check_int, loads, parser
 
 ALGORITHMS = ("bfd", "ffd")
 DEFAULT_WINDOW = 1 << 18  # documents planned together; bounds memory, barely affects fill
@@ -316,33 +321,94 @@ def save_plan(plan: PackPlan, path: str | Path) -> Path:
     buf = io.BytesIO()
     np.savez(
         buf, pack_offsets=plan.pack_offsets, doc_ids=plan.doc_ids, doc_lengths=plan.doc_lengths,
-        meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+        meta=np.frombuffer(json.dumps(meta, allow_nan=False).encode(), dtype=np.uint8),
     )
     atomic_write(final, [buf.getbuffer()], direct=False)
     return final
 
 
+MAX_PLAN_META = 1 << 20
+_PLAN_ARRAYS = {"pack_offsets": np.int64, "doc_ids": np.int64, "doc_lengths": np.int32, "meta": np.uint8}
+_STATS_INTS = ("seq_len", "documents", "packs", "real_tokens", "source_tokens", "truncated_docs")
+_STATS_FLOATS = ("fill", "truncation", "tokens_per_pack_mean", "tokens_per_pack_cv")
+
+
 def load_plan(path: str | Path) -> PackPlan:
+    """Read a plan written by :func:`save_plan`; a damaged or foreign file is a FormatError."""
     p = Path(path)
-    if not p.exists():
-        raise NotFoundError(f"pack plan {p} does not exist; create it with `tierio data pack`")
     try:
-        with np.load(p, allow_pickle=False) as z:
-            meta = json.loads(bytes(z["meta"]).decode())
-            offsets, ids, lens = z["pack_offsets"], z["doc_ids"], z["doc_lengths"]
-    except (ValueError, KeyError, OSError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{p}: not a readable pack plan ({exc}); re-create it with `tierio data pack`") from None
-    if meta.get("format") != PLAN_FORMAT or meta.get("version") != PLAN_VERSION:
-        raise FormatError(f"{p}: not a {PLAN_FORMAT} v{PLAN_VERSION} file")
+        fd = open_regular(p)  # a FIFO is refused, not waited on
+    except FileNotFoundError:
+        raise NotFoundError(f"pack plan {p} does not exist; create it with `tierio data pack`") from None
+    except OSError as exc:
+        raise FormatError(f"cannot read pack plan {p}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as f:
+        return parse_plan(f, str(p))
+
+
+@parser
+def parse_plan(f: BinaryIO, where: str) -> PackPlan:
+    """The plan in an open .npz ``f``: every array is checked against the bytes that hold it
+    before it is read, and the arrays against each other."""
+    try:
+        arrays = _plan_arrays(f, where)
+    except zipfile.BadZipFile as exc:
+        raise FormatError(f"{where}: not a readable pack plan ({exc}); re-create it with `tierio data pack`") from None
+    doc = Fields(loads(arrays["meta"].tobytes(), f"{where}: meta", limit=MAX_PLAN_META), f"{where}: meta")
+    if doc.doc.get("format") != PLAN_FORMAT or doc.doc.get("version") != PLAN_VERSION:
+        raise FormatError(f"{where}: not a {PLAN_FORMAT} v{PLAN_VERSION} file")
+    seq_len = doc.int("seq_len", 1, 1 << 31)
+    algorithm = doc.const("algorithm", *ALGORITHMS)
+    window = doc.int("window", 1)
+    source = doc.obj("source", default=None)
+    stats = doc.obj("stats", default=None)
+    offsets, ids, lens = arrays["pack_offsets"], arrays["doc_ids"], arrays["doc_lengths"]
     if (
-        offsets.ndim != 1 or len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(ids)
+        len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(ids)
         or len(ids) != len(lens) or (len(offsets) > 1 and bool(np.any(np.diff(offsets) < 0)))
     ):
-        raise FormatError(f"{p}: pack offsets are inconsistent with the document list; the file is corrupt")
-    if len(lens) and (int(lens.max()) > meta["seq_len"] or int(lens.min()) < 1):
-        raise FormatError(f"{p}: a document length lies outside 1..seq_len; the file is corrupt")
-    stats = PackStats(**meta["stats"]) if meta.get("stats") else None
-    return PackPlan(int(meta["seq_len"]), meta["algorithm"], int(meta["window"]), offsets, ids, lens, meta.get("source") or {}, stats)
+        raise FormatError(f"{where}: pack offsets are inconsistent with the document list; the file is corrupt")
+    if len(ids) and int(ids.min()) < 0:
+        raise FormatError(f"{where}: a document id is negative; the file is corrupt")
+    if len(lens) and (int(lens.max()) > seq_len or int(lens.min()) < 1):
+        raise FormatError(f"{where}: a document length lies outside 1..seq_len; the file is corrupt")
+    return PackPlan(seq_len, algorithm, window, offsets, ids, lens, {} if source is None else source.doc,
+                    None if stats is None else _stats(stats))
+
+
+def _plan_arrays(f: BinaryIO, where: str) -> dict[str, np.ndarray]:
+    """The 1-D arrays of a plan. Members must be stored, not compressed (np.savez stores them), so
+    a member holds no more than the bytes of the file: no decompression bomb, nothing allocated
+    from a shape the bytes do not back."""
+    out = {}
+    with zipfile.ZipFile(f) as z:
+        for name, dtype in _PLAN_ARRAYS.items():
+            try:
+                info = z.getinfo(f"{name}.npy")
+            except KeyError:
+                raise FormatError(f"{where}: not a pack plan (no {name} array); re-create it with `tierio data pack`") from None
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise FormatError(f"{where}: array {name} is compressed; pack plans store their arrays uncompressed")
+            with z.open(info) as m:
+                raw = m.read()
+            arr = decode_npy(raw, what=f"{where}: array {name}")
+            if arr.dtype != np.dtype(dtype) or arr.ndim != 1:
+                raise FormatError(f"{where}: array {name} is {arr.dtype} of shape {arr.shape}, expected a 1-D {np.dtype(dtype)} array")
+            out[name] = arr
+    return out
+
+
+def _stats(doc: Fields) -> PackStats:
+    w = doc.where
+    ints = {k: doc.int(k) for k in _STATS_INTS}
+    floats = {k: doc.float(k, 0.0) for k in _STATS_FLOATS}
+    step_cv = doc.doc.get("tokens_per_step_cv")
+    batch = doc.doc.get("batch_size")
+    return PackStats(
+        algorithm=doc.const("algorithm", *ALGORITHMS), **ints, **floats,
+        tokens_per_step_cv=None if step_cv is None else check_float(step_cv, f"{w}: tokens_per_step_cv", 0.0),
+        batch_size=None if batch is None else check_int(batch, f"{w}: batch_size", 1),
+    )
 
 
 # -- materialising packs ---------------------------------------------------------------------

@@ -17,13 +17,15 @@ as they are; the index and manifest are extra files they ignore.
 
 from __future__ import annotations
 
-import ast
 import io
 import json
+import math
 import mmap
 import os
+import re
 import struct
 import tarfile
+import tokenize
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
@@ -36,13 +38,22 @@ import xxhash
 from tierio.errors import ConfigError, FormatError, IntegrityError, NotFoundError
 from tierio.io.checksum import xxh3
 from tierio.io.files import os_error
-from tierio.storage.base import Store, read_bytes
+from tierio.io.paths import open_regular
+from tierio.io.untrusted import MAX_COUNT, PARSE_ERRORS, Fields, loads, parser, parsing
+from tierio.storage.base import Store, check_key, read_bytes
 from tierio.units import parse_size
 
 MANIFEST = "index.json"
 FORMAT = "tierio-shards"
 VERSION = 1
 DEFAULT_SHARD_SIZE = 64 << 20
+MAX_MANIFEST_BYTES = 64 << 20  # a million shards fit
+MAX_SHARDS = 1 << 22
+MAX_FIELDS = 1 << 10
+TAR_HEADER = 512  # every field of every sample is a tar member behind its own 512-byte header
+NPY_HEADER_MAX = 10_000  # numpy's own limit on the header of a .npy it will read
+NPY_MAGIC = b"\x93NUMPY"
+_FIELD = re.compile(r"[^./\x00]{1,255}")  # a field name is part of a tar member's name
 
 
 def _store(store_or_url: Store | str | Path) -> Store:
@@ -60,37 +71,54 @@ def encode_npy(arr: np.ndarray) -> bytes:
 
 
 @lru_cache(maxsize=4096)
-def _npy_header(head: bytes) -> tuple[np.dtype, tuple[int, ...], int]:
-    """Parse a .npy header (cached: headers repeat for samples of the same shape)."""
-    if head[:6] != b"\x93NUMPY":
-        raise FormatError("sample field is not a .npy array")
-    major = head[6]
-    if major == 1:
-        (hlen,) = struct.unpack_from("<H", head, 8)
-        start = 10
-    else:
-        (hlen,) = struct.unpack_from("<I", head, 8)
-        start = 12
-    d = ast.literal_eval(head[start : start + hlen].decode("latin1"))
-    dtype = np.dtype(d["descr"])
-    if dtype.hasobject or d.get("fortran_order"):
-        raise FormatError("sample field holds objects or Fortran-ordered data; shards carry plain arrays only")
-    return dtype, tuple(d["shape"]), start + hlen
+def _npy_header(head: bytes) -> tuple[np.dtype, tuple[int, ...]]:
+    """dtype and shape from the whole header of a .npy (preamble included), checked; cached:
+    headers repeat for samples of the same shape. Parsed by numpy's own header reader."""
+    with parsing("sample field (.npy header)"):
+        version = (head[6], head[7])
+        f = io.BytesIO(head[8:])
+        try:
+            if version == (1, 0):
+                d = np.lib.format.read_array_header_1_0(f, max_header_size=NPY_HEADER_MAX)
+            else:
+                d = np.lib.format.read_array_header_2_0(f, max_header_size=NPY_HEADER_MAX)
+        except tokenize.TokenError as exc:  # numpy tokenizes headers of old writers
+            raise FormatError(f"sample field has a malformed .npy header ({exc})") from None
+        shape, fortran, dtype = d
+        if dtype.hasobject or fortran or dtype.itemsize == 0:
+            raise FormatError("sample field holds objects, Fortran-ordered or zero-width data; shards carry plain arrays only")
+        if len(shape) > 32 or min(shape, default=0) < 0 or math.prod(n for n in shape if n) * dtype.itemsize > MAX_COUNT:
+            raise FormatError(f"sample field claims an absurd shape {shape}; the shard is corrupt")
+        return dtype, tuple(shape)
 
 
-def decode_npy(buf, offset: int = 0, size: int | None = None) -> np.ndarray:
-    """Zero-copy view of a .npy payload inside ``buf`` (bytes, mmap or memoryview)."""
+def decode_npy(buf, offset: int = 0, size: int | None = None, *, what: str = "sample field") -> np.ndarray:
+    """Zero-copy view of a .npy payload at ``buf[offset:offset+size]`` (bytes, mmap or memoryview).
+
+    Every length is checked against the bytes there: a damaged array is a FormatError whose
+    message starts with ``what``. Nothing is allocated from a declared shape."""
     mv = memoryview(buf)
     end = len(mv) if size is None else offset + size
+    if not 0 <= offset <= end <= len(mv):
+        raise FormatError(f"{what} at bytes {offset}..{end} lies outside its {len(mv)} bytes; the index is corrupt")
     first = bytes(mv[offset : min(end, offset + 12)])
-    major = first[6] if len(first) > 6 else 1
-    hlen = struct.unpack_from("<H" if major == 1 else "<I", first, 8)[0] if len(first) >= 12 else 0
-    head = bytes(mv[offset : offset + (10 if major == 1 else 12) + hlen])
-    dtype, shape, data_start = _npy_header(head)
-    count = int(np.prod(shape)) if shape else 1
-    if offset + data_start + count * dtype.itemsize > end:
-        raise FormatError("sample field is shorter than its .npy header says; the shard is corrupt")
-    return np.frombuffer(mv, dtype=dtype, count=count, offset=offset + data_start).reshape(shape)
+    if len(first) < 10 or first[:6] != NPY_MAGIC or first[6] not in (1, 2, 3):
+        raise FormatError(f"{what} is not a .npy array; it is corrupt")
+    start = 10 if first[6] == 1 else 12
+    if len(first) < start:
+        raise FormatError(f"{what} is shorter than a .npy preamble; it is corrupt")
+    hlen = struct.unpack_from("<H" if start == 10 else "<I", first, 8)[0]
+    data_start = offset + start + hlen
+    if hlen > NPY_HEADER_MAX or data_start > end:
+        raise FormatError(f"{what} has a {hlen}-byte .npy header in {end - offset} bytes; it is corrupt")
+    dtype, shape = _npy_header(bytes(mv[offset:data_start]))
+    count = math.prod(shape)
+    if data_start + count * dtype.itemsize > end:
+        raise FormatError(f"{what} is shorter than its .npy header says; it is truncated")
+    try:  # cannot fail after the checks above; a last net for numpy's own refusals
+        return np.frombuffer(mv, dtype=dtype, count=count, offset=data_start).reshape(shape)
+    except PARSE_ERRORS as exc:
+        raise FormatError(f"{what} cannot be read as {dtype} {shape} ({exc}); it is corrupt") from None
 
 
 @dataclass
@@ -126,41 +154,106 @@ class Manifest:
 
 
 def load_manifest(store_or_url: Store | str | Path, where: str | None = None) -> Manifest:
+    """Read and strictly parse a dataset's ``index.json`` (only TierioErrors come out)."""
     store = _store(store_or_url)
     where = where or store.url
     try:
-        raw = read_bytes(store, MANIFEST)
+        size = store.stat(MANIFEST).size
     except NotFoundError:
         raise NotFoundError(f"no {MANIFEST} under {where}: not a shard dataset, or it was never completed (the manifest is written last)") from None
-    try:
-        doc = json.loads(raw)
-        if doc.get("format") != FORMAT or doc.get("version") != VERSION:
-            raise FormatError(f"{where}/{MANIFEST} is not a {FORMAT} v{VERSION} manifest")
-        shards = [ShardInfo(**s) for s in doc["shards"]]
-        man = Manifest(list(doc["fields"]), shards, int(doc["num_samples"]), dict(doc.get("meta") or {}), xxh3(raw))
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise FormatError(f"{where}/{MANIFEST} is malformed ({exc}); rewrite the dataset") from None
+    if size > MAX_MANIFEST_BYTES:
+        raise FormatError(f"{where}/{MANIFEST} is {size} bytes, above the {MAX_MANIFEST_BYTES}-byte limit; it is corrupt or hostile")
+    return parse_manifest(read_bytes(store, MANIFEST, 0, size), f"{where}/{MANIFEST}")
+
+
+def check_field(name: Any, where: str) -> str:
+    """A field name: part of tar member names ``<key>.<field>.npy``, so no '.', '/' or NUL."""
+    if not isinstance(name, str) or not _FIELD.fullmatch(name):
+        raise FormatError(f"{where}: field name {name!r:.80} must be 1-255 characters without '.', '/' or NUL")
+    return name
+
+
+def _shard_info(doc: Any, where: str, manifest: str, nfields: int) -> ShardInfo:
+    f = Fields(doc, where)
+    info = ShardInfo(
+        key=check_key(f.str("key", 1024), manifest),
+        size=f.int("size"),
+        xxh3=f.hex("xxh3", 16),
+        samples=f.int("samples"),
+        first_sample=f.int("first_sample"),
+        index_key=check_key(f.str("index_key", 1024), manifest),
+        index_size=f.int("index_size"),
+        index_xxh3=f.hex("index_xxh3", 16),
+    )
+    # Declared counts are checked against declared sizes before anything is allocated from them:
+    # every sample holds `nfields` tar members, and its index row is (2 * nfields + 1) int64s.
+    if info.samples * nfields * TAR_HEADER > info.size:
+        raise FormatError(f"{where}: {info.samples} samples of {nfields} fields cannot fit in {info.size} bytes of tar")
+    header = info.index_size - info.samples * index_row_bytes(nfields)
+    if not 0 < header <= NPY_HEADER_MAX + 12:
+        raise FormatError(f"{where}: an index of {info.samples} samples cannot be {info.index_size} bytes")
+    return info
+
+
+def index_row_bytes(nfields: int) -> int:
+    """Bytes of one sample's row in a shard index: offset and size of each field, and an xxh3."""
+    return 8 * (2 * nfields + 1)
+
+
+@parser
+def parse_manifest(raw: bytes, where: str) -> Manifest:
+    """Strictly parse the bytes of a dataset manifest: typed fields, keys that stay inside the
+    dataset, hex digests, and counts consistent with each other and with the declared sizes."""
+    doc = Fields(loads(raw, where, limit=MAX_MANIFEST_BYTES), where)
+    if doc.doc.get("format") != FORMAT or doc.doc.get("version") != VERSION or type(doc.doc.get("version")) is not int:
+        raise FormatError(f"{where} is not a {FORMAT} v{VERSION} manifest")
+    fields = [check_field(x, where) for x in doc.list("fields", MAX_FIELDS)]
+    if not fields or len(set(fields)) != len(fields):
+        raise FormatError(f"{where}: fields {fields!r:.200} must be distinct and at least one")
+    num_samples = doc.int("num_samples")
+    meta = doc.obj("meta", default=None)
+    shards = [_shard_info(x, f"{where} shard {i}", where, len(fields)) for i, x in enumerate(doc.list("shards", MAX_SHARDS))]
     total = 0
-    for s in man.shards:
-        if s.first_sample != total or s.samples < 0:
-            raise FormatError(f"{where}/{MANIFEST}: sample counts of {s.key} are inconsistent; the manifest is corrupt")
+    keys: set[str] = {MANIFEST}
+    for s in shards:
+        if s.first_sample != total:
+            raise FormatError(f"{where}: sample counts of {s.key} are inconsistent; the manifest is corrupt")
         total += s.samples
-    if total != man.num_samples:
-        raise FormatError(f"{where}/{MANIFEST}: shards hold {total} samples, manifest says {man.num_samples}")
-    return man
+        if s.key in keys or s.index_key in keys or s.key == s.index_key:
+            raise FormatError(f"{where}: {s.key} or {s.index_key} is named twice; the manifest is corrupt")
+        keys.update((s.key, s.index_key))
+    if total != num_samples:
+        raise FormatError(f"{where}: shards hold {total} samples, manifest says {num_samples}")
+    return Manifest(fields, shards, num_samples, {} if meta is None else meta.doc, xxh3(raw))
 
 
+@parser
 def parse_index(raw: bytes, info: ShardInfo, nfields: int, where: str) -> np.ndarray:
-    """The sidecar index of one shard, verified: int64 [samples, 2*fields + 1]."""
+    """The sidecar index of one shard, verified: int64 [samples, 2*fields + 1], read-only.
+
+    Its size and checksum are those of the manifest, its row count is its size less its header
+    over the row size, and every field it points at lies inside the shard."""
+    if len(raw) != info.index_size:
+        raise IntegrityError(f"{where}: index is {len(raw)} bytes, the manifest says {info.index_size}; this copy is truncated or wrong")
     got = xxh3(raw)
     if got != info.index_xxh3:
         raise IntegrityError(f"{where}: index checksum mismatch (expected xxh3 {info.index_xxh3}, got {got}); this copy is corrupt")
-    try:
-        arr = np.load(io.BytesIO(raw), allow_pickle=False)
-    except ValueError as exc:
-        raise FormatError(f"{where}: unreadable shard index ({exc})") from None
-    if arr.dtype != np.int64 or arr.shape != (info.samples, 2 * nfields + 1):
-        raise FormatError(f"{where}: shard index has shape {arr.shape}, expected ({info.samples}, {2 * nfields + 1})")
+    row = index_row_bytes(nfields)
+    if raw[:6] != NPY_MAGIC or raw[6] not in (1, 2, 3) or len(raw) < 12:
+        raise FormatError(f"{where}: not a .npy shard index")
+    start = 10 if raw[6] == 1 else 12
+    hlen = struct.unpack_from("<H" if start == 10 else "<I", raw, 8)[0]
+    data = start + hlen
+    if data > len(raw) or (len(raw) - data) % row or (len(raw) - data) // row != info.samples:
+        raise FormatError(f"{where}: a {len(raw)}-byte index with a {data}-byte header does not hold {info.samples} rows of {row} bytes")
+    dtype, shape = _npy_header(raw[:data])
+    if dtype != np.dtype("<i8") or shape != (info.samples, 2 * nfields + 1):
+        raise FormatError(f"{where}: shard index is {dtype} {shape}, expected int64 ({info.samples}, {2 * nfields + 1})")
+    arr = np.frombuffer(raw, dtype="<i8", count=info.samples * (2 * nfields + 1), offset=data).reshape(shape)
+    spans = arr[:, : 2 * nfields]
+    if spans.size and (int(spans.min()) < 0 or int(spans.max()) > info.size
+                       or int((spans[:, 0::2] + spans[:, 1::2]).max()) > info.size):
+        raise FormatError(f"{where}: the index points outside its {info.size}-byte shard; the index is corrupt")
     return arr
 
 
@@ -178,8 +271,10 @@ class ShardWriter:
     ) -> None:
         self.store = _store(store)
         self.fields = list(fields)
-        if not self.fields or any(("." in f or "/" in f or not f) for f in self.fields):
-            raise ConfigError(f"field names must be non-empty and contain no '.' or '/': {self.fields}")
+        if not self.fields or len(set(self.fields)) != len(self.fields) or not all(
+            isinstance(f, str) and _FIELD.fullmatch(f) for f in self.fields
+        ):
+            raise ConfigError(f"field names must be distinct, 1-255 characters, with no '.', '/' or NUL: {self.fields}")
         self.shard_size = parse_size(shard_size)
         if self.shard_size < 1:
             raise ConfigError("shard_size must be positive")
@@ -246,7 +341,10 @@ class ShardWriter:
             "format": FORMAT, "version": VERSION, "fields": self.fields, "num_samples": self.num_samples,
             "meta": self.meta, "shards": [s.to_dict() for s in self.shards],
         }
-        raw = json.dumps(doc, indent=1).encode()
+        try:
+            raw = json.dumps(doc, indent=1, allow_nan=False).encode()
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"dataset meta must be plain JSON without NaN or infinity: {exc}") from None
         self.store.put_buffers(MANIFEST, [raw])
         self.manifest = Manifest(self.fields, self.shards, self.num_samples, self.meta, xxh3(raw))
         return self.manifest
@@ -303,18 +401,24 @@ class ShardFile:
         self.index = index
         self._on_close = on_close
         try:
-            with open(self.path, "rb") as f:  # the mapping keeps its own descriptor
-                size = os.fstat(f.fileno()).st_size
-                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+            fd = open_regular(self.path)  # a FIFO in its place is refused, not waited on
+            try:  # the mapping keeps its own descriptor
+                size = os.fstat(fd).st_size
+                self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else b""
+            finally:
+                os.close(fd)
         except OSError as exc:
             if on_close is not None:
                 on_close()
             raise os_error(exc, self.path, "opening shard") from exc
-        if len(index):
-            last = index[:, 0 : 2 * len(fields) : 2] + index[:, 1 : 2 * len(fields) : 2]
-            if int(last.max()) > size:
-                self.close()
-                raise FormatError(f"{self.path}: shard is {size} bytes but its index points past the end; the shard is truncated")
+        except BaseException:
+            if on_close is not None:
+                on_close()
+            raise
+        spans = index[:, : 2 * len(fields)]
+        if spans.size and (int(spans.min()) < 0 or int(spans.max()) > size or int((spans[:, 0::2] + spans[:, 1::2]).max()) > size):
+            self.close()
+            raise FormatError(f"{self.path}: shard is {size} bytes but its index points outside it; the shard is truncated or the index corrupt")
 
     def __len__(self) -> int:
         return len(self.index)
@@ -332,10 +436,26 @@ class ShardFile:
 
 
 def iter_tar_samples(path: str | Path) -> Iterator[dict[str, Any]]:
-    """Read a shard sequentially with the standard library only (no index): grouping by key."""
+    """Read a shard sequentially with the standard library only (no index): grouping by key.
+
+    A damaged shard is a FormatError naming it."""
+    try:
+        yield from _tar_samples(path)
+    except tarfile.TarError as exc:
+        raise FormatError(f"{path} is not a readable tar shard ({exc}); the shard is corrupt") from None
+
+
+def _open_shard(path: str | Path) -> int:
+    try:
+        return open_regular(path)
+    except OSError as exc:
+        raise os_error(exc, path, "opening shard") from exc
+
+
+def _tar_samples(path: str | Path) -> Iterator[dict[str, Any]]:
     current: dict[str, Any] = {}
     key = None
-    with tarfile.open(path, mode="r") as tar:
+    with parsing(str(path)), os.fdopen(_open_shard(path), "rb") as f, tarfile.open(fileobj=f, mode="r") as tar:
         for m in tar:
             if not m.isfile():
                 continue

@@ -15,14 +15,19 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from tierio.errors import FormatError
+from tierio.io.untrusted import MAX_COUNT, brief, check_dict, loads, parser
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+HEADER_FLOOR = 1 << 20  # room for metadata and empty tensors, whatever the data section
+HEADER_BYTES_PER_DATA_BYTE = 128  # a one-byte scalar takes ~100 bytes of header JSON
+MAX_DIMS = 64
 DATA_ALIGN = 64
 
 # safetensors dtype name -> torch dtype. Element sizes come from torch.
@@ -37,6 +42,7 @@ _ST_TO_TORCH: dict[str, torch.dtype] = {
 if hasattr(torch, "float8_e8m0fnu"):
     _ST_TO_TORCH["F8_E8M0"] = torch.float8_e8m0fnu
 _TORCH_TO_ST = {v: k for k, v in _ST_TO_TORCH.items()}
+ITEMSIZES: dict[str, int] = {k: v.itemsize for k, v in _ST_TO_TORCH.items()}  # element size by dtype name
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -55,10 +61,11 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def itemsize(name: str) -> int:
-    return torch_dtype(name).itemsize
+    size = ITEMSIZES.get(name)
+    return torch_dtype(name).itemsize if size is None else size
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # a header may describe tens of thousands
 class TensorEntry:
     name: str
     dtype: str  # safetensors name
@@ -114,8 +121,19 @@ def build_header(
     return struct.pack("<Q", len(raw)) + raw, Header(entries, dict(doc.get("__metadata__", {})), len(raw))
 
 
+def header_limit(data_bytes: int) -> int:
+    """The largest header accepted in front of a data section of ``data_bytes``.
+
+    A header describes tensors in the data section: about 100 bytes of JSON per tensor, and every
+    tensor that is not empty holds at least one byte there. So beyond a floor (metadata and empty
+    tensors), a header may be at most ``HEADER_BYTES_PER_DATA_BYTE`` times the data it describes:
+    a huge header in front of little data is refused before it is read or parsed."""
+    return min(MAX_HEADER_BYTES, HEADER_FLOOR + HEADER_BYTES_PER_DATA_BYTE * max(0, data_bytes))
+
+
+@parser
 def header_length(prefix: bytes, file_size: int, where: str) -> int:
-    """Validate the 8-byte length prefix; returns N."""
+    """Validate the 8-byte length prefix against the file's real size; returns N."""
     if len(prefix) < 8 or file_size < 8:
         raise FormatError(f"{where}: file is {file_size} bytes, too short for a safetensors header")
     (n,) = struct.unpack("<Q", prefix[:8])
@@ -123,46 +141,52 @@ def header_length(prefix: bytes, file_size: int, where: str) -> int:
         raise FormatError(f"{where}: header claims {n} bytes, above the {MAX_HEADER_BYTES}-byte limit; the file is corrupt or hostile")
     if 8 + n > file_size:
         raise FormatError(f"{where}: header claims {n} bytes but the file is only {file_size} bytes; the file is truncated")
+    data = file_size - 8 - n
+    if n > header_limit(data):
+        raise FormatError(
+            f"{where}: header claims {n} bytes for a data section of {data} bytes, above the {header_limit(data)} bytes "
+            "a header can need to describe it; the file is corrupt or hostile"
+        )
     return n
 
 
+def _dims_ok(v: Any) -> bool:
+    return type(v) is list and len(v) <= MAX_DIMS and all(type(x) is int and 0 <= x <= MAX_COUNT for x in v)
+
+
+def _entry(name: str, info: Any, data_size: int, where: str) -> TensorEntry:
+    if type(info) is not dict:
+        raise FormatError(f"{where}: entry {name!r} is not an object")
+    dt, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    size = ITEMSIZES.get(dt) if type(dt) is str else None
+    if size is None:
+        raise FormatError(f"{where}: tensor {name!r} has unknown dtype {brief(dt)}")
+    if not _dims_ok(shape) or math.prod(d for d in shape if d) > MAX_COUNT:
+        raise FormatError(f"{where}: tensor {name!r} has an invalid shape {brief(shape)}")
+    if not (type(offs) is list and len(offs) == 2 and all(type(o) is int for o in offs)):
+        raise FormatError(f"{where}: tensor {name!r} has invalid data_offsets {brief(offs)}")
+    begin, end = offs
+    if not 0 <= begin <= end <= data_size:
+        raise FormatError(
+            f"{where}: tensor {name!r} spans bytes {begin}..{end} of a {data_size}-byte data section; "
+            "the file is truncated or the header is corrupt"
+        )
+    if end - begin != math.prod(shape) * size:
+        raise FormatError(f"{where}: tensor {name!r} has {end - begin} bytes but shape {shape} of {dt} needs {math.prod(shape) * size}")
+    return TensorEntry(name, dt, tuple(shape), begin, end)
+
+
+@parser
 def parse_header(raw: bytes, file_size: int, where: str) -> Header:
-    """Strictly parse the JSON header (``raw`` = the N header bytes) of a file of ``file_size`` bytes."""
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{where}: header is not valid JSON ({exc}); the file is corrupt") from None
-    if not isinstance(doc, dict):
-        raise FormatError(f"{where}: header must be a JSON object")
+    """Strictly parse the JSON header (``raw`` = the N header bytes) of a file of ``file_size`` bytes.
+
+    Only FormatError comes out, whatever the bytes."""
+    doc = check_dict(loads(raw, f"{where}: header", limit=header_limit(file_size - 8 - len(raw))), f"{where}: header")
     meta = doc.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise FormatError(f"{where}: __metadata__ must map strings to strings")
     data_size = file_size - 8 - len(raw)
-    entries: dict[str, TensorEntry] = {}
-    for name, info in doc.items():
-        if not isinstance(info, dict):
-            raise FormatError(f"{where}: entry {name!r} is not an object")
-        dt = info.get("dtype")
-        shape = info.get("shape")
-        offs = info.get("data_offsets")
-        if not isinstance(dt, str):
-            raise FormatError(f"{where}: tensor {name!r} has no dtype")
-        size = itemsize(dt) if dt in _ST_TO_TORCH else None
-        if size is None:
-            raise FormatError(f"{where}: tensor {name!r} has unknown dtype {dt!r}")
-        if not (isinstance(shape, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
-            raise FormatError(f"{where}: tensor {name!r} has an invalid shape {shape!r}")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offs)):
-            raise FormatError(f"{where}: tensor {name!r} has invalid data_offsets {offs!r}")
-        begin, end = offs
-        if not 0 <= begin <= end <= data_size:
-            raise FormatError(
-                f"{where}: tensor {name!r} spans bytes {begin}..{end} of a {data_size}-byte data section; "
-                "the file is truncated or the header is corrupt"
-            )
-        if end - begin != math.prod(shape) * size:
-            raise FormatError(f"{where}: tensor {name!r} has {end - begin} bytes but shape {shape} of {dt} needs {math.prod(shape) * size}")
-        entries[name] = TensorEntry(name, dt, tuple(shape), begin, end)
+    entries = {name: _entry(name, info, data_size, where) for name, info in doc.items()}
     ordered = sorted((e for e in entries.values() if e.nbytes), key=lambda e: e.begin)
     for a, b in zip(ordered, ordered[1:]):
         if b.begin < a.end:
@@ -170,7 +194,13 @@ def parse_header(raw: bytes, file_size: int, where: str) -> Header:
     return Header(entries, meta, len(raw))
 
 
-def read_header_from(read: "callable", file_size: int, where: str) -> Header:
-    """Parse a header using ``read(offset, length) -> bytes`` (a file, a store key, a buffer)."""
+@parser
+def read_header_from(read: Callable[[int, int], bytes], file_size: int, where: str) -> Header:
+    """Parse a header using ``read(offset, length) -> bytes`` (a file, a store key, a buffer).
+
+    The length prefix is checked against ``file_size`` before the header is read."""
     n = header_length(read(0, 8), file_size, where)
-    return parse_header(read(8, n), file_size, where)
+    raw = read(8, n)
+    if len(raw) != n:
+        raise FormatError(f"{where}: header ends after {len(raw)} of its {n} bytes; the file is truncated")
+    return parse_header(raw, file_size, where)

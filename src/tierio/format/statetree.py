@@ -27,9 +27,15 @@ import numpy as np
 import torch
 
 from tierio.errors import ConfigError, FormatError
+from tierio.io.untrusted import MAX_INT_DIGITS, brief
 
 MARKERS = ("__tensor__", "__ndarray__", "__tuple__", "__dict__", "__float__", "__bytes__", "__dtype__", "__np__")
 MAX_DEPTH = 200
+# JSON nesting of a tree of MAX_DEPTH levels: a non-str-key dict level is 3 JSON levels
+# ({"__dict__": [[k, v]]}), and a numpy scalar leaf adds 3 more ({"__np__": [dt, {"__float__": ..}]}).
+MAX_JSON_DEPTH = 3 * MAX_DEPTH + 4
+# torch dtypes by name, read without getattr(torch, name) (which may import submodules)
+_TORCH_DTYPES = {name: obj for name, obj in vars(torch).items() if isinstance(obj, torch.dtype)}
 
 
 @dataclass
@@ -42,7 +48,9 @@ def _scalar(x: Any, where: str) -> Any:
     """Encode a JSON-able scalar (also used for dict keys)."""
     if x is None or isinstance(x, (bool, str)):
         return x
-    if isinstance(x, int):
+    if isinstance(x, int):  # io.untrusted.loads refuses longer integers: refuse them when saving
+        if abs(x) >= 10**MAX_INT_DIGITS:
+            raise ConfigError(f"integer at {where!r} has more than {MAX_INT_DIGITS} digits; store it as a string")
         return int(x)
     if isinstance(x, float):
         if math.isfinite(x):
@@ -120,27 +128,26 @@ def flatten(state: Any) -> FlatState:
 
 
 def tensor_refs(tree: Any) -> list[str]:
-    """Every tensor name the tree references (in walk order, with repeats for tied leaves)."""
-    refs: list[str] = []
+    """Every tensor name the tree references (in walk order, with repeats for tied leaves).
 
-    def walk(node: Any, depth: int) -> None:
-        if depth > MAX_DEPTH:
-            raise FormatError(f"state tree is nested deeper than {MAX_DEPTH} levels")
+    Iterative, so a tree read from a file cannot exhaust the stack."""
+    refs: list[str] = []
+    stack: list[tuple[Any, int]] = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise FormatError(f"state tree is nested deeper than {MAX_JSON_DEPTH} JSON levels")
         if isinstance(node, dict):
             if len(node) == 1:
                 (k, v), = node.items()
                 if k in ("__tensor__", "__ndarray__"):
                     if not isinstance(v, str):
-                        raise FormatError(f"tensor reference {v!r} is not a string")
+                        raise FormatError(f"tensor reference {brief(v)} is not a string")
                     refs.append(v)
-                    return
-            for v in node.values():
-                walk(v, depth + 1)
+                    continue
+            stack.extend((v, depth + 1) for v in reversed(node.values()))
         elif isinstance(node, list):
-            for v in node:
-                walk(v, depth + 1)
-
-    walk(tree, 0)
+            stack.extend((v, depth + 1) for v in reversed(node))
     return refs
 
 
@@ -150,10 +157,26 @@ def _decode_scalar(node: Any) -> Any:
             return float(node["__float__"])
         if set(node) == {"__tuple__"} and isinstance(node["__tuple__"], list):
             return tuple(_decode_scalar(v) for v in node["__tuple__"])
-        raise FormatError(f"invalid dict key encoding {node!r} in the state tree")
+        raise FormatError(f"invalid dict key encoding {brief(node)} in the state tree")
     if node is None or isinstance(node, (bool, int, float, str)):
         return node
-    raise FormatError(f"invalid dict key {node!r} in the state tree")
+    raise FormatError(f"invalid dict key {brief(node)} in the state tree")
+
+
+def _np_scalar(v: Any) -> Any:
+    if not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and len(v[0]) <= 16):
+        raise FormatError("__np__ must hold [dtype, value]")
+    try:
+        dt = np.dtype(v[0])
+    except (TypeError, ValueError):
+        raise FormatError(f"unknown numpy dtype {brief(v[0])} in the state tree") from None
+    if dt.kind not in "biufc":
+        raise FormatError(f"numpy dtype {v[0]!r} is not numeric")
+    value = _decode_scalar(v[1])
+    try:
+        return dt.type(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise FormatError(f"numpy scalar {brief(value)} does not fit {dt} in the state tree ({exc})") from None
 
 
 def unflatten(tree: Any, get_tensor: Callable[[str, Any], torch.Tensor], into: Any = None) -> Any:
@@ -178,7 +201,7 @@ def unflatten(tree: Any, get_tensor: Callable[[str, Any], torch.Tensor], into: A
         if not isinstance(node, dict):
             if node is None or isinstance(node, (bool, int, float, str)):
                 return node
-            raise FormatError(f"invalid value {node!r} in the state tree")
+            raise FormatError(f"invalid value {brief(node)} in the state tree")
         if len(node) == 1:
             (k, v), = node.items()
             if k == "__tensor__":
@@ -208,20 +231,12 @@ def unflatten(tree: Any, get_tensor: Callable[[str, Any], torch.Tensor], into: A
                 except ValueError:
                     raise FormatError("__bytes__ holds invalid base64") from None
             if k == "__dtype__":
-                dt = getattr(torch, v, None) if isinstance(v, str) else None
-                if not isinstance(dt, torch.dtype):
-                    raise FormatError(f"unknown torch dtype {v!r} in the state tree")
+                dt = _TORCH_DTYPES.get(v) if isinstance(v, str) else None
+                if dt is None:
+                    raise FormatError(f"unknown torch dtype {brief(v)} in the state tree")
                 return dt
             if k == "__np__":
-                if not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)):
-                    raise FormatError("__np__ must hold [dtype, value]")
-                try:
-                    dt = np.dtype(v[0])
-                except TypeError:
-                    raise FormatError(f"unknown numpy dtype {v[0]!r} in the state tree") from None
-                if dt.kind not in "biufc":
-                    raise FormatError(f"numpy dtype {v[0]!r} is not numeric")
-                return dt.type(_decode_scalar(v[1]))
+                return _np_scalar(v)
         for k in node:
             if k.startswith("__") and k in MARKERS:
                 raise FormatError(f"marker {k!r} mixed with other keys in the state tree")

@@ -4,7 +4,8 @@ A manifest, an index or a header read from disk or S3 may be truncated, bit-flip
 someone hostile. Three rules make that a typed error instead of a crash, a hang or a write outside
 a directory:
 
-* **bounded JSON** — :func:`loads` refuses documents above a size limit, nesting deeper than
+* **bounded JSON** — :func:`loads` refuses documents above a size limit, documents that would
+  expand in memory to more than ``MAX_EXPANSION`` times their size, nesting deeper than
   ``MAX_DEPTH``, NaN/Infinity, numbers that overflow to infinity, and integers over
   ``MAX_INT_DIGITS`` digits, before anything looks at a field;
 * **typed fields** — :class:`Fields` hands out a document's values only after checking type and
@@ -28,19 +29,27 @@ from contextlib import contextmanager
 from functools import wraps
 from typing import Any, TypeVar
 
+import numpy as np
+
 from tierio.errors import FormatError, NotFoundError, TierioError
 from tierio.io.paths import open_regular
 
 MAX_DEPTH = 64  # no document tierio writes nests deeper than a state tree, and those stay shallow
 MAX_INT_DIGITS = 24  # 2**64 has 20 digits: anything longer is never a size, an offset or a count
 MAX_COUNT = 1 << 62  # the largest integer any field may hold (offsets, sizes, counts)
+# Python objects cost far more than their JSON text: a real manifest or header takes 3-10x its
+# size once parsed, while a flood of empty containers ("[{},{},...]") takes ~25x. Documents whose
+# estimated cost is above this factor are refused before parsing (see `estimated_memory`).
+MAX_EXPANSION = 16
+EXPANSION_FLOOR = 1 << 20  # below this size a document is never refused for its expansion
 
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")
 _HEX = re.compile(r"[0-9a-f]+")
 _MISSING = object()
 
 # What parsers raise on odd input when nothing checked first; `parsing` maps them to FormatError.
-_PARSE_ERRORS = (
+# (Public for hot paths that map them with a plain try/except instead of the context manager.)
+PARSE_ERRORS = _PARSE_ERRORS = (
     ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError, OverflowError,
     UnicodeError, SyntaxError, struct.error, EOFError, AssertionError,
 )
@@ -98,33 +107,65 @@ def _constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number tierio accepts")
 
 
-def _depth_ok(doc: Any, limit: int) -> bool:
-    """Iterative (no recursion), so a deep document cannot exhaust the stack here either."""
-    stack: list[tuple[Any, int]] = [(doc, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict):
-            children = node.values()
-        elif isinstance(node, list):
-            children = node
-        else:
-            continue
-        if depth > limit:
-            return False
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
-    return True
+_STRUCTURE = bytes(b for b in range(256) if b not in b'"[]{}')  # what nesting_depth deletes
+_BRACKET_STEP = np.zeros(256, dtype=np.int8)
+_BRACKET_STEP[[ord("["), ord("{")]] = 1
+_BRACKET_STEP[[ord("]"), ord("}")]] = -1
 
 
-def loads(raw: bytes | bytearray | memoryview | str, where: str, *, limit: int, max_depth: int = MAX_DEPTH) -> Any:
-    """Decode a JSON document from untrusted bytes; FormatError (naming ``where``) on anything odd."""
+def nesting_depth(raw: bytes) -> int:
+    """How deep the containers of a *valid* JSON text nest (``{"a": []}`` is 2), from its bytes.
+
+    Byte operations and one numpy pass over the quotes and brackets: no walk over the parsed
+    objects (which costs more than parsing a large manifest)."""
+    # Drop escape pairs so that every remaining quote delimits a string; keep quotes and brackets.
+    marks = raw.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _STRUCTURE)
+    a = np.frombuffer(marks, dtype=np.uint8)
+    step = _BRACKET_STEP[a]
+    step[np.logical_xor.accumulate(a == ord('"'))] = 0  # brackets inside strings do not nest
+    depth = np.cumsum(step, dtype=np.int32)
+    return int(depth.max()) if len(depth) else 0
+
+
+def estimated_memory(raw: bytes) -> int:
+    """An upper estimate of the bytes ``json.loads`` builds from ``raw``, from byte counts alone
+    (C speed, nothing allocated): ~64 bytes per container, ~32 per list item or object member
+    (a slot and a number, or a key), ~24 per quote (a string object's overhead), plus the text."""
+    containers = raw.count(b"{") + raw.count(b"[")
+    members = raw.count(b",") + raw.count(b":")
+    return len(raw) + 64 * containers + 32 * members + 24 * raw.count(b'"')
+
+
+def expansion_ok(data: bytes, max_expansion: float = MAX_EXPANSION) -> bool:
+    """Whether :func:`loads` accepts ``data``'s estimated cost in memory (writers check with it too,
+    so that nothing tierio writes is refused when read back)."""
+    return len(data) <= EXPANSION_FLOOR or estimated_memory(data) <= max_expansion * len(data)
+
+
+def loads(raw: bytes | bytearray | memoryview | str, where: str, *, limit: int, max_depth: int = MAX_DEPTH,
+          max_expansion: float | None = MAX_EXPANSION) -> Any:
+    """Decode a JSON document from untrusted bytes; FormatError (naming ``where``) on anything odd.
+
+    ``max_expansion``: refuse a document above ``EXPANSION_FLOOR`` bytes whose estimated parsed
+    size (:func:`estimated_memory`) is above this multiple of its size; None skips the check."""
     if len(raw) > limit:
         raise FormatError(f"{where} is {len(raw)} bytes, above the {limit}-byte limit for it; it is corrupt or hostile")
+    data = raw.encode() if isinstance(raw, str) else bytes(raw)
+    if max_expansion is not None and not expansion_ok(data, max_expansion):
+        cost = estimated_memory(data)
+        raise FormatError(
+            f"{where} would take about {cost >> 20} MiB of memory to parse, {cost / len(data):.0f}x its "
+            f"{len(data)} bytes (at most {max_expansion:g}x is accepted): it is a flood of tiny values; it is corrupt or hostile"
+        )
     try:
-        text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8")
-        doc = json.loads(text, parse_int=_int, parse_float=_float, parse_constant=_constant)
-    except (ValueError, RecursionError, UnicodeError) as exc:
-        raise FormatError(f"{where} is not JSON ({type(exc).__name__}: {_short(exc)}); it is corrupt, or not the file expected") from None
-    if not _depth_ok(doc, max_depth):
+        doc = json.loads(data.decode("utf-8"), parse_int=_int, parse_float=_float, parse_constant=_constant)
+    except UnicodeError as exc:
+        raise FormatError(f"{where} is not JSON (not UTF-8 text: {_short(exc)}); it is corrupt, or not the file expected") from None
+    except RecursionError:
+        raise FormatError(f"{where} is not JSON tierio reads (nested too deeply to parse); it is corrupt or hostile") from None
+    except ValueError as exc:
+        raise FormatError(f"{where} is not JSON (not valid JSON: {_short(exc)}); it is corrupt, or not the file expected") from None
+    if nesting_depth(data) > max_depth:
         raise FormatError(f"{where} nests deeper than {max_depth} levels; it is corrupt or hostile")
     return doc
 
@@ -186,6 +227,16 @@ def check_plain_name(v: Any, where: str) -> str:
     return v
 
 
+def check_ints(v: Any, where: str, max_len: int, lo: int = 0, hi: int = MAX_COUNT) -> tuple[int, ...]:
+    """A list of at most ``max_len`` integers in [lo, hi] (a shape, a byte range, offsets)."""
+    if not isinstance(v, list) or len(v) > max_len:
+        raise FormatError(f"{where}: expected a list of at most {max_len} integers, got {_repr(v)}")
+    if not all(type(x) is int and lo <= x <= hi for x in v):  # type() is int: never a bool
+        i = next(i for i, x in enumerate(v) if not (type(x) is int and lo <= x <= hi))
+        raise FormatError(f"{where}[{i}]: expected an integer in {lo}..{hi}, got {_repr(v[i])}")
+    return tuple(v)
+
+
 def check_list(v: Any, where: str, max_len: int) -> list:
     if not isinstance(v, list) or len(v) > max_len:
         raise FormatError(f"{where}: expected a list of at most {max_len} items, got {_repr(v)}")
@@ -198,9 +249,13 @@ def check_dict(v: Any, where: str) -> dict:
     return v
 
 
-def _repr(v: Any, limit: int = 80) -> str:
+def brief(v: Any, limit: int = 80) -> str:
+    """``repr(v)`` cut to ``limit`` characters: a value from a hostile file, quoted in a message."""
     text = repr(v)
     return text if len(text) <= limit else text[:limit] + "…"
+
+
+_repr = brief
 
 
 class Fields:
@@ -247,6 +302,10 @@ class Fields:
     def list(self, key: str, max_len: int, default: Any = _MISSING) -> list:
         return self._checked(key, default, check_list, max_len)
 
+    def ints(self, key: str, max_len: int, lo: int = 0, hi: int = MAX_COUNT, default: Any = _MISSING) -> tuple[int, ...]:
+        v = self._get(key, default)
+        return v if v is default and default is not _MISSING else check_ints(v, self._w(key), max_len, lo, hi)
+
     def obj(self, key: str, default: Any = _MISSING) -> Fields:
         return self._checked(key, default, Fields)
 
@@ -258,6 +317,7 @@ class Fields:
 
 
 __all__ = [
-    "MAX_COUNT", "MAX_DEPTH", "Fields", "check_dict", "check_float", "check_hex", "check_int", "check_list",
-    "check_plain_name", "check_str", "loads", "parser", "parsing", "read_json_file",
+    "MAX_COUNT", "MAX_DEPTH", "MAX_EXPANSION", "PARSE_ERRORS", "Fields", "brief", "check_dict", "check_float",
+    "check_hex", "check_int", "check_ints", "check_list", "check_plain_name", "check_str", "estimated_memory",
+    "expansion_ok", "loads", "nesting_depth", "parser", "parsing", "read_json_file",
 ]

@@ -2,59 +2,55 @@
 
 A tierio checkpoint is a directory (or key prefix) ``step_<9 digits>/`` holding ``manifest.json``
 and safetensors shard files; a checkpoint root holds several steps and the newest committed one
-(the one with a manifest) is used. The shard files are read through their own safetensors headers,
-so this module only has to name the files and map tensor names of the model subtree.
+(the one with a manifest) is used. The manifest is read with the checkpoint reader's strict parser
+(format.manifest): the shard files it names are plain names inside the step directory, so a
+hostile manifest cannot point a load, or the weight cache, at a file outside the model. The shard
+files are then read through their own safetensors headers; this module only names the files and
+maps tensor names of the model subtree.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
-from typing import Any
 
-from tierio.errors import FormatError
+from tierio.errors import FormatError, NotFoundError
+from tierio.format.manifest import parse_manifest
+from tierio.format.shard import MANIFEST, parse_step_dir
+from tierio.storage.base import check_key
 
-MANIFEST = "manifest.json"
-_STEP = re.compile(r"^(?:(?P<root>.*)/)?step_(?P<step>\d{9})/manifest\.json$")
 MODEL_PREFIXES = ("model.", "model/")
 
 
 def checkpoint_dir(keys: list[str]) -> str | None:
     """The key prefix ('' or 'step_000000100/') of the newest committed checkpoint in ``keys``."""
-    steps = [(int(m["step"]), k[: -len(MANIFEST)]) for k in keys if (m := _STEP.match(k)) and m["root"] is None]
+    steps = []
+    for k in keys:
+        head, sep, tail = k.partition("/")
+        step = parse_step_dir(head) if sep and tail == MANIFEST else None
+        if step is not None:
+            steps.append((step, f"{head}/"))
     if steps:
         return max(steps)[1]
     return "" if MANIFEST in keys else None
 
 
-def _files_named_in(doc: Any, found: set[str]) -> None:
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            if k in ("file", "path") and isinstance(v, str) and v.endswith(".safetensors"):
-                found.add(v)
-            else:
-                _files_named_in(v, found)
-    elif isinstance(doc, list):
-        for v in doc:
-            _files_named_in(v, found)
+def checkpoint_shards(keys: list[str], read: Callable[[str], bytes], where: Callable[[str], str]) -> tuple[str, list[str]]:
+    """(step prefix, shard keys) of the newest checkpoint in ``keys``.
 
-
-def checkpoint_shards(keys: list[str], read_json: Callable[[str], Any]) -> tuple[str, list[str]]:
-    """(step prefix, shard keys) of the newest checkpoint; FormatError when there is none."""
+    ``read(key)`` returns a key's bytes (bounded by the caller), ``where(key)`` names it in messages.
+    FormatError when there is no checkpoint or its manifest is damaged or hostile; NotFoundError
+    when a shard it names is not there."""
     prefix = checkpoint_dir(keys)
     if prefix is None:
         raise FormatError("no manifest.json found: not a tierio checkpoint")
-    manifest = read_json(prefix + MANIFEST)
-    if not isinstance(manifest, dict):
-        raise FormatError(f"{prefix}{MANIFEST} is not a JSON object")
-    named: set[str] = set()
-    _files_named_in(manifest, named)
-    if named:
-        shards = sorted(prefix + n.lstrip("/") for n in named)
-    else:  # a manifest that does not list files: every shard of that step
-        shards = sorted(k for k in keys if k.startswith(prefix) and k.endswith(".safetensors") and "/" not in k[len(prefix) :])
-    if not shards:
-        raise FormatError(f"checkpoint {prefix or '.'} lists no safetensors shard files")
+    key = prefix + MANIFEST
+    w = where(key)
+    manifest = parse_manifest(read(key), w, expect_step=parse_step_dir(prefix.rstrip("/")) if prefix else None)
+    shards = sorted(check_key(prefix + rank.file, w) for rank in manifest.ranks)
+    present = set(keys)
+    missing = [k for k in shards if k not in present]
+    if missing:
+        raise NotFoundError(f"{w} names shard(s) {missing[:3]} that are not in the checkpoint; the copy is incomplete")
     return prefix, shards
 
 

@@ -7,9 +7,9 @@ loaders know every tensor's file, byte range, dtype and shape before any data mo
 
 from __future__ import annotations
 
-import json
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,12 +17,18 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from tierio.errors import FormatError, NotFoundError
+from tierio.format.manifest import MAX_MANIFEST_BYTES
 from tierio.format.safetensors import Header, TensorEntry, read_header_from
 from tierio.io.files import os_error
+from tierio.io.paths import open_regular
+from tierio.io.untrusted import Fields, check_str, loads, parser
+from tierio.storage.base import check_key
 from tierio.weights import checkpoint
 
 INDEX_SUFFIX = ".safetensors.index.json"
 HEAD_PROBE = 1 << 20  # first GET of a remote shard: the header of nearly every real file fits
+# the index of the largest models lists ~100k tensors in a few MB; a checkpoint manifest has its own limit
+MAX_INDEX_BYTES = MAX_MANIFEST_BYTES
 
 
 @dataclass(eq=False)  # identity semantics: shards are dict keys
@@ -80,10 +86,47 @@ class ModelSource:
 
 
 def _open(path: Path) -> int:
+    """Open a local file of the model for reading (a FIFO or device is refused, not waited on)."""
     try:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        return open_regular(path)
     except OSError as exc:
         raise os_error(exc, path, "opening") from exc
+
+
+def _read_small(path: Path, limit: int) -> bytes:
+    """A small file of the model (an index, a manifest), refused above ``limit`` bytes."""
+    fd = _open(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise FormatError(f"{path} is {size} bytes, above the {limit}-byte limit for it; it is corrupt or hostile")
+        with open(fd, "rb", closefd=False) as f:
+            return f.read(limit + 1)
+    except OSError as exc:
+        raise os_error(exc, path, "reading") from exc
+    finally:
+        os.close(fd)
+
+
+def _read_small_remote(store: Any, key: str, limit: int) -> bytes:
+    from tierio.storage import read_bytes
+
+    size = store.stat(key).size
+    if size > limit:
+        raise FormatError(f"{_where(store, key)} is {size} bytes, above the {limit}-byte limit for it; it is corrupt or hostile")
+    return read_bytes(store, key, 0, size)
+
+
+@parser
+def parse_hf_index(raw: bytes, where: str) -> list[str]:
+    """The shard files named by a Hugging Face ``*.safetensors.index.json`` (sorted, distinct).
+
+    Every file is checked as a relative key, so an index cannot name a file outside the model."""
+    doc = Fields(loads(raw, where, limit=MAX_INDEX_BYTES), where)
+    wm = doc.obj("weight_map", default=None)
+    if wm is None or not wm.doc:
+        raise FormatError(f"{where}: no 'weight_map' of tensor name -> file; the index is corrupt")
+    return sorted({check_key(check_str(f, f"{where}: weight_map[{name!r}]"), where) for name, f in wm.doc.items()})
 
 
 def is_remote(source: str | os.PathLike) -> bool:
@@ -110,6 +153,8 @@ def _read_header_local(path: Path, where: str) -> Header:
     try:
         size = os.fstat(fd).st_size
         return read_header_from(lambda off, n: os.pread(fd, n, off), size, where)
+    except OSError as exc:
+        raise os_error(exc, path, "reading the header of") from exc
     finally:
         os.close(fd)
 
@@ -129,22 +174,21 @@ def _read_header_remote(shard: Shard) -> Header:
     return read_header_from(read, shard.size, shard.where)
 
 
-def _pick_kind(keys: list[str], read_json) -> tuple[str, list[str], bool]:
-    """(kind, shard keys, map names to the model subtree?) from a directory listing."""
+def _pick_kind(keys: list[str], read: Callable[[str], bytes], where: Callable[[str], str]) -> tuple[str, list[str], bool]:
+    """(kind, shard keys, map names to the model subtree?) from a directory listing.
+
+    ``read(key)`` returns a small file's bytes, ``where(key)`` names it in messages."""
     top = [k for k in keys if "/" not in k]
     index = sorted(k for k in top if k.endswith(INDEX_SUFFIX))
     if index:
-        doc = read_json(index[0])
-        wm = doc.get("weight_map") if isinstance(doc, dict) else None
-        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
-            raise FormatError(f"{index[0]}: no 'weight_map' of tensor name -> file; the index is corrupt")
-        files = sorted(set(wm.values()))
-        missing = [f for f in files if f not in keys]
+        files = parse_hf_index(read(index[0]), where(index[0]))
+        present = set(keys)
+        missing = [f for f in files if f not in present]
         if missing:
             raise NotFoundError(f"{index[0]} names shard(s) {missing[:3]} that are not in the model directory; the download is incomplete")
         return "hf", files, False
     if checkpoint.checkpoint_dir(keys) is not None:
-        _, shards = checkpoint.checkpoint_shards(keys, read_json)
+        _, shards = checkpoint.checkpoint_shards(keys, read, where)
         return "tierio", shards, True
     shards = sorted(k for k in top if k.endswith(".safetensors"))
     if not shards:
@@ -167,11 +211,8 @@ def resolve(source: str | os.PathLike, *, read_headers: bool = True) -> ModelSou
             str(p.relative_to(path)).replace(os.sep, "/") for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
         )
 
-        def read_json(key: str) -> Any:
-            return _load_json((path / key).read_bytes(), str(path / key))
-
         try:
-            kind, shard_keys, subtree = _pick_kind(keys, read_json)
+            kind, shard_keys, subtree = _pick_kind(keys, lambda key: _read_small(path / key, MAX_INDEX_BYTES), lambda key: str(path / key))
         except NotFoundError as exc:
             raise NotFoundError(f"{path}: {exc}") from None
         shards = []
@@ -222,13 +263,10 @@ def _resolve_remote(url: str, read_headers: bool) -> ModelSource:
         if not keys:
             raise NotFoundError(f"{url} holds no objects; check the bucket and prefix")
 
-        def read_json(key: str) -> Any:
-            from tierio.storage import read_bytes
-
-            return _load_json(read_bytes(store, key), _where(store, key))
-
         try:
-            kind, shard_keys, subtree = _pick_kind(keys, read_json)
+            kind, shard_keys, subtree = _pick_kind(
+                keys, lambda key: _read_small_remote(store, key, MAX_INDEX_BYTES), lambda key: _where(store, key)
+            )
         except NotFoundError as exc:
             raise NotFoundError(f"{url}: {exc}") from None
         with ThreadPoolExecutor(8) as pool:
@@ -254,11 +292,5 @@ def _finish_names(src: ModelSource) -> None:
         src.names = checkpoint.model_names(stored)
 
 
-def _load_json(raw: bytes, where: str) -> Any:
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{where} is not valid JSON ({exc})") from None
 
-
-__all__ = ["ModelSource", "Shard", "resolve", "is_remote"]
+__all__ = ["ModelSource", "Shard", "is_remote", "parse_hf_index", "resolve"]
