@@ -173,3 +173,22 @@ def test_cli_builds_many_files_with_progress(tmp_path: Path, capsys) -> None:
     assert contents(tmp_path / "corpus") == a + b
     assert main(["data", "build", str(fa), str(tmp_path / "c2"), "--json"]) == 1  # no column named: a typed error
     assert "--column COLUMN" in capsys.readouterr().err
+
+
+def test_column_statistics_size_the_dtype_and_are_held_to_their_word(tmp_path: Path) -> None:
+    from tierio.data.builder import build_inputs
+    from tierio.data.parquet import declared_max
+
+    rows = docs(300, 9, hi=1000)
+    with_stats = write(tmp_path / "s.parquet", {"ids": pa.array(rows, type=pa.list_(pa.int64()))}, 64)
+    pq.write_table(pa.table({"ids": pa.array(rows, type=pa.list_(pa.int64()))}), tmp_path / "n.parquet",
+                   row_group_size=64, write_statistics=False)
+    columns = ParquetColumns(ids="ids")
+    assert declared_max([with_stats], columns) == max(max(r) for r in rows if r)
+    assert declared_max([tmp_path / "n.parquet"], columns) is None  # no statistics: int32, narrowed afterwards
+    for name in ("s", "n"):
+        st = build_inputs([str(tmp_path / f"{name}.parquet")], tmp_path / f"out_{name}", parquet=columns)
+        assert st.dtype == "uint16" and contents(tmp_path / f"out_{name}") == rows
+    # A file whose statistics understate its ids is refused where the first larger id is.
+    with pytest.raises(FormatError, match=r"row group 0, row \d+ .*is above 10, the largest id the files' column statistics"):
+        list(iter_parquet([with_stats], columns, declared=10))

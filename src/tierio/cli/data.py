@@ -93,7 +93,7 @@ def _show(title: str, d: dict, as_json: bool) -> None:
 
 
 def _build(args) -> int:
-    from tierio.data.builder import build_indexed, iter_inputs
+    from tierio.data.builder import build_inputs
 
     parquet = None
     if args.column is not None or args.text_column is not None:
@@ -101,9 +101,8 @@ def _build(args) -> int:
 
         parquet = ParquetColumns(ids=args.column, text=args.text_column, tokenizer=args.tokenizer, append_eos=args.append_eos)
     t0 = time.perf_counter()
-    docs = iter_inputs(args.inputs, parquet=parquet, progress=_ParquetProgress(t0), key=args.key, tokenizer=args.tokenizer,
-                       text_key=args.text_key, append_eos=args.append_eos)
-    st = build_indexed(docs, args.output, vocab_size=args.vocab_size).to_dict()
+    st = build_inputs(args.inputs, args.output, vocab_size=args.vocab_size, parquet=parquet, progress=_ParquetProgress(t0),
+                      key=args.key, tokenizer=args.tokenizer, text_key=args.text_key, append_eos=args.append_eos).to_dict()
     seconds = time.perf_counter() - t0
     st["seconds"] = round(seconds, 3)
     st["tokens_per_s"] = round(st["tokens"] / seconds) if seconds > 0 else None

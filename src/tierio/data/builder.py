@@ -193,25 +193,49 @@ def iter_input(
     raise ConfigError(f"{p}: unknown input type {p.suffix!r}; use .jsonl (token ids), .npy, .parquet, or text with --tokenizer")
 
 
-def iter_inputs(paths: Sequence[str | Path], *, parquet: Any = None, progress: Any = None, **options: Any) -> Iterator[Any]:
+def iter_inputs(paths: Sequence[str | Path], *, parquet: Any = None, progress: Any = None, declared: int | None = None,
+                **options: Any) -> Iterator[Any]:
     """Documents of several inputs in order. Parquet files and directories of them are read with
-    ``parquet`` (a :class:`tierio.data.parquet.ParquetColumns`, reporting to ``progress``); the
-    other inputs with :func:`iter_input` and ``options``."""
-    from tierio.data.parquet import is_parquet, iter_parquet  # pyarrow only for Parquet input
+    ``parquet`` (a :class:`tierio.data.parquet.ParquetColumns`, reporting to ``progress``, holding
+    every id to ``declared`` when given); the other inputs with :func:`iter_input` and ``options``."""
+    from tierio.data.parquet import iter_parquet  # pyarrow only for Parquet input
+
+    if _parquet_inputs(paths):
+        if parquet is None:
+            raise ConfigError("Parquet input needs a column: --column COLUMN (token-id lists) or "
+                              "--text-column COLUMN --tokenizer tokenizer.json")
+        yield from iter_parquet(paths, parquet, progress, declared)
+        return
+    for path in paths:
+        yield from iter_input(path, **options)
+
+
+def _parquet_inputs(paths: Sequence[str | Path]) -> bool:
+    from tierio.data.parquet import is_parquet
 
     if not paths:
         raise ConfigError("no input given; name at least one input file or directory")
     kinds = [is_parquet(p) for p in paths]
     if any(kinds) and not all(kinds):
         raise ConfigError("Parquet inputs cannot be mixed with other kinds in one build; build them separately and merge")
-    if all(kinds):
-        if parquet is None:
-            raise ConfigError("Parquet input needs a column: --column COLUMN (token-id lists) or "
-                              "--text-column COLUMN --tokenizer tokenizer.json")
-        yield from iter_parquet(paths, parquet, progress)
-        return
-    for path in paths:
-        yield from iter_input(path, **options)
+    return all(kinds)
+
+
+def build_inputs(paths: Sequence[str | Path], prefix: str | Path, *, vocab_size: int | None = None, parquet: Any = None,
+                 progress: Any = None, **options: Any) -> BuildStats:
+    """Build ``prefix`` from input files (what `tierio data build` runs). For Parquet token-id lists
+    whose column statistics give the largest id, the token dtype is sized from them up front: one
+    pass over the tokens instead of writing int32 and narrowing afterwards."""
+    dtype, declared = None, None
+    if vocab_size is None and parquet is not None and _parquet_inputs(paths):
+        from tierio.data.parquet import declared_max
+
+        declared = declared_max(paths, parquet)
+        if declared is not None:
+            eos = parquet.append_eos if parquet.append_eos is not None else -1
+            dtype = optimal_dtype(max(declared, eos) + 1)
+    docs = iter_inputs(paths, parquet=parquet, progress=progress, declared=declared, **options)
+    return build_indexed(docs, prefix, vocab_size=vocab_size, dtype=dtype)
 
 
 # -- building -------------------------------------------------------------------------------

@@ -136,7 +136,27 @@ def _null_row(arr: Any) -> int:
     return int(np.argmax(arr.is_null().to_numpy(zero_copy_only=False)))
 
 
-def _id_batch(pa: Any, arr: Any, where: _Where, append_eos: int | None) -> DocumentBatch:
+def declared_max(files: Sequence[str | Path], columns: ParquetColumns) -> int | None:
+    """The largest token id the files' column statistics declare (metadata only, nothing decoded);
+    None when a row group has no statistics or the column is not a token-id list."""
+    if columns.ids is None:
+        return None
+    _, pq = _pyarrow()
+    top = -1
+    for path in parquet_files(files):
+        meta = _open(pq, path, columns).metadata
+        leaves = [j for j in range(meta.num_columns) if meta.schema.column(j).path.split(".")[0] == columns.ids]
+        if len(leaves) != 1:
+            return None
+        for g in range(meta.num_row_groups):
+            stats = meta.row_group(g).column(leaves[0]).statistics
+            if stats is None or not stats.has_min_max or not isinstance(stats.max, int):
+                return None
+            top = max(top, stats.max)
+    return top
+
+
+def _id_batch(pa: Any, arr: Any, where: _Where, append_eos: int | None, declared: int | None) -> DocumentBatch:
     """A batch of token-id lists as one DocumentBatch (no per-document Python work)."""
     if arr.null_count:
         raise FormatError(f"{where(_null_row(arr))}: null instead of a list of token ids; drop or fill such rows first")
@@ -151,6 +171,11 @@ def _id_batch(pa: Any, arr: Any, where: _Where, append_eos: int | None) -> Docum
         doc = int(np.searchsorted(np.cumsum(lengths), first, side="right"))
         raise FormatError(f"{where(doc)}: a null token id inside the list; drop or fill such rows first")
     tokens = values.to_numpy(zero_copy_only=False)
+    if declared is not None and tokens.size and int(tokens.max()) > declared:
+        i = int(np.argmax(tokens > declared))
+        doc = int(np.searchsorted(np.cumsum(lengths), i, side="right"))
+        raise FormatError(f"{where(doc)}: token id {int(tokens[i])} is above {declared}, the largest id the files' "
+                          "column statistics declare; the metadata is wrong: rewrite the file (e.g. with pyarrow)")
     if append_eos is not None:
         tokens, lengths = _append(tokens, lengths, append_eos)
     return DocumentBatch(tokens, lengths, where)
@@ -174,9 +199,10 @@ def _text_batch(arr: Any, where: _Where, tokenizer: Any, append_eos: int | None)
     return DocumentBatch(tokens, lengths, where)
 
 
-def iter_parquet(files: Sequence[str | Path], columns: ParquetColumns,
-                 progress: Progress | None = None) -> Iterator[DocumentBatch]:
-    """Batches of documents from ``files`` in order, one row group after another."""
+def iter_parquet(files: Sequence[str | Path], columns: ParquetColumns, progress: Progress | None = None,
+                 declared: int | None = None) -> Iterator[DocumentBatch]:
+    """Batches of documents from ``files`` in order, one row group after another. ``declared``:
+    the largest id the statistics promise (the build sized its token dtype by it): enforced."""
     pa, pq = _pyarrow()
     paths = parquet_files(files)
     tokenizer = load_tokenizer(columns.tokenizer) if columns.text is not None else None
@@ -192,7 +218,7 @@ def iter_parquet(files: Sequence[str | Path], columns: ParquetColumns,
                 for batch in pf.iter_batches(batch_size=columns.batch_rows, row_groups=[group], columns=[columns.name]):
                     where = _Where(path, group, first, start)
                     arr = batch.column(0)
-                    docs = (_id_batch(pa, arr, where, columns.append_eos) if tokenizer is None
+                    docs = (_id_batch(pa, arr, where, columns.append_eos, declared) if tokenizer is None
                             else _text_batch(arr, where, tokenizer, columns.append_eos))
                     rows, tokens, first = rows + len(arr), tokens + len(docs.tokens), first + len(arr)
                     yield docs
