@@ -202,3 +202,27 @@ def test_events_from_many_threads_are_all_counted(exporter) -> None:
     assert one(s, "tierio_kv_lookups_total", tier="nvme", result="hit") == 2000
     assert one(s, "tierio_kv_hit_ratio", tier="nvme") == pytest.approx(0.5)
     time.sleep(0)  # nothing pending: emits are synchronous
+
+
+def test_the_documented_alert_rules_use_exported_metrics(exporter, tmp_path: Path) -> None:
+    """docs/diagnose.md's rule file parses, and every tierio_* series it queries is one the endpoint exports."""
+    import re
+
+    yaml = pytest.importorskip("yaml")
+    doc = (Path(__file__).parents[1] / "docs" / "diagnose.md").read_text()
+    block = re.search(r"```yaml\n(groups:.*?)```", doc, re.S)
+    assert block is not None
+    rules = yaml.safe_load(block.group(1))["groups"][0]["rules"]
+    assert len(rules) >= 6 and all({"alert", "expr", "annotations"} <= set(r) for r in rules)
+    tier = f"file://{tmp_path}"
+    events.emit(events.CheckpointStaged(1, tier, 1, 0.1, 0.0))
+    events.emit(events.CheckpointPersisted(1, tier, 1, 1.0, True))  # the pending promotion appears
+    for kind in (events.CacheLookup("shards", True), events.CacheEviction("shards", 1), events.DataWait("train", 0.1)):
+        events.emit(kind)
+    with urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=10) as r:
+        families = {f.name for f in text_string_to_metric_families(r.read().decode())}
+    exported = set(scrape(exporter.port)) | families  # a family without samples yet (tierio_alert) counts
+    for rule in rules:
+        for name in re.findall(r"\btierio_[a-z0-9_]+", rule["expr"]):
+            family = re.sub(r"_(total|bucket|count|sum)$", "", name)
+            assert name in exported or family in families, (rule["alert"], name)

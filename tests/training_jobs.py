@@ -88,7 +88,8 @@ def tiny_gpt2(n_embd: int = 32, n_layer: int = 2):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=100, n_positions=32, n_embd=n_embd, n_layer=n_layer, n_head=2))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=100, n_positions=32, n_embd=n_embd, n_layer=n_layer, n_head=2,
+                                      bos_token_id=0, eos_token_id=0))
 
 
 def hf_job(root: Path, tiers: list[str] | None, max_steps: int, resume: bool | str | None = None,

@@ -14,8 +14,11 @@ at most ``MAX_BYTES``: torch.save keeps up to three in-memory copies of it.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import shutil
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -94,7 +97,8 @@ def _hf(nbytes: int, work: Path, repeat: int) -> dict[str, Any]:
     n_embd, vocab = 1024, 8192
     per_layer = 12 * n_embd * n_embd * 4 * 3  # a GPT-2 block's weights + Adam's two moments
     layers = max(1, (nbytes - vocab * n_embd * 12) // per_layer)
-    config = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=n_embd, n_layer=layers, n_head=16)
+    config = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=n_embd, n_layer=layers, n_head=16, bos_token_id=0,
+                        eos_token_id=0)
     ids = torch.randint(0, vocab, (4, 32))
     data = [{"input_ids": ids[i], "labels": ids[i]} for i in range(4)]
     out: dict[str, Any] = {"layers": layers}
@@ -119,6 +123,17 @@ def _hf(nbytes: int, work: Path, repeat: int) -> dict[str, Any]:
     return out
 
 
+@contextlib.contextmanager
+def _quiet(logger: str):
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def measure(size: int, work: Path, repeat: int, log: Callable[[str], None]) -> dict[str, Any]:
     """Both stall ratios (NaN, with the reason, where the framework is not installed)."""
     nbytes = min(size, MAX_BYTES)
@@ -127,7 +142,8 @@ def measure(size: int, work: Path, repeat: int, log: Callable[[str], None]) -> d
                              ("hf_trainer_save_stall_vs_default", "hf_trainer", _hf)):
         log(f"{label}: checkpoint save stall, default vs tierio")
         try:
-            with warnings.catch_warnings():
+            # The frameworks print progress and logs: keep stdout for the benchmark's own output.
+            with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr), _quiet("lightning.pytorch"):
                 warnings.simplefilter("ignore")
                 result[label] = fn(nbytes, work / label, repeat)
             result["ratios"][ratio] = result[label]["ratio"]

@@ -87,7 +87,7 @@ class TrainerCheckpoints:
     to be applied (the Trainer loads model, optimizer and RNG at different moments)."""
 
     def __init__(self, tiers: Any, options: dict[str, Any]) -> None:
-        self.options = check_manager_options(options)
+        self.options = {"min_keep": 1, **check_manager_options(options)}  # the folders say what to keep
         self.tiers = with_referenced(tiers, self.named)
         self.plain = list(tiers)
         self.manager: CheckpointManager | None = None

@@ -62,13 +62,14 @@ class TierioCheckpointIO(CheckpointIO):
     """Lightning checkpoints saved asynchronously into tierio ``tiers`` (fastest first).
 
     ``manager_options`` are :class:`tierio.ckpt.CheckpointManager` keywords (``memory_budget``,
-    ``promote_bandwidth``, ``min_keep``, ...). ``double_buffer`` defaults to True here: with
+    ``promote_bandwidth``, ...). Two defaults differ: ``double_buffer=True`` (with
     ``save_last=True`` Lightning saves twice in a row, and the second save would otherwise wait
-    for the first one's write."""
+    for the first one's write) and ``min_keep=1`` (Lightning's files say what to keep; tierio
+    keeps the newest checkpoint on top)."""
 
     def __init__(self, tiers: Any, **manager_options: Any) -> None:
         super().__init__()
-        self._options = {"double_buffer": True, **check_manager_options(manager_options)}
+        self._options = {"double_buffer": True, "min_keep": 1, **check_manager_options(manager_options)}
         self._tiers = with_referenced(tiers, self._named)  # checks that tiers is a list of tiers
         self._plain = list(tiers)
         self._manager: CheckpointManager | None = None
@@ -107,7 +108,7 @@ class TierioCheckpointIO(CheckpointIO):
         pointer = Pointer.read(target)
         with self._lock:
             self._dirs.add(target.parent.absolute())
-        return restore(self._plain, pointer, str(target), rank=0, world_size=1)
+        return restore(self._tiers, pointer, str(target), rank=0, world_size=1)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the pointer; its checkpoint goes with the next retention pass (after a commit)."""
