@@ -226,3 +226,22 @@ def test_the_documented_alert_rules_use_exported_metrics(exporter, tmp_path: Pat
         for name in re.findall(r"\btierio_[a-z0-9_]+", rule["expr"]):
             family = re.sub(r"_(total|bucket|count|sum)$", "", name)
             assert name in exported or family in families, (rule["alert"], name)
+
+
+def test_stateful_loader_and_shard_cache_report_in_process(tmp_path: Path, exporter) -> None:
+    import numpy as np
+
+    from tierio.data.loader import StatefulLoader
+    from tierio.data.shards import ShardWriter
+    from tierio.data.streaming import StreamingDataset
+
+    url = f"file://{tmp_path / 'remote'}"
+    with ShardWriter(url, ["x"], shard_size=4096) as w:
+        for i in range(96):
+            w.write({"x": np.array([i], np.int64)})
+    loader = StatefulLoader(StreamingDataset(url, tmp_path / "cache", "4MiB", seed=1, batch_size=8), 8, num_workers=0)
+    batches = sum(1 for _ in loader)
+    s = scrape(exporter.port)
+    assert one(s, "tierio_data_wait_seconds_count", loader="StatefulLoader") == batches == 12
+    misses = one(s, "tierio_cache_lookups_total", cache="shards", result="miss")
+    assert misses == len(w.manifest.shards) > 1  # every shard fetched once into the cache
