@@ -48,6 +48,11 @@ def test_list_columns_of_several_files_and_row_groups(tmp_path: Path, value_type
     fa = write(tmp_path / "a.parquet", {"input_ids": pa.array(a, type=t), "other": list(range(700))}, 128)
     fb = write(tmp_path / "b.parquet", {"input_ids": pa.array(b, type=t)}, 64)
     assert pq.ParquetFile(fa).metadata.num_row_groups == 6 and pq.ParquetFile(fb).metadata.num_row_groups == 5
+    batches = list(iter_parquet([fa, fb], ParquetColumns(ids="input_ids", batch_rows=50)))
+    groups = [m.row_group(g).num_rows for m in (pq.ParquetFile(fa).metadata, pq.ParquetFile(fb).metadata)
+              for g in range(m.num_row_groups)]
+    assert max(len(b.lengths) for b in batches) == 50  # bounded, and never across row groups:
+    assert len(batches) == sum(-(-rows // 50) for rows in groups)
     st = build([fa, fb], tmp_path / "out", ParquetColumns(ids="input_ids", batch_rows=50))
     assert contents(tmp_path / "out") == a + b
     assert st.documents == 1000 and st.tokens == sum(map(len, a + b))

@@ -11,7 +11,6 @@ pointer exists only for a durable checkpoint: a job killed mid-save resumes from
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -133,7 +132,7 @@ def pointed_steps(paths: Iterable[Path]) -> set[int]:
         try:
             if p.is_file() and p.stat().st_size <= POINTER_LIMIT:
                 steps.add(Pointer.read(p).step)
-        except (TierioError, OSError, json.JSONDecodeError):
+        except (TierioError, OSError):
             continue  # not ours, or removed while we looked
     return steps
 
