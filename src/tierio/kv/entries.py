@@ -5,7 +5,7 @@ is held. A block (an ``Entry``) has at most one copy per local tier; a ``Copy`` 
 its state:
 
 * ``FILLING``: the slot is taken and bytes are arriving; nobody reads it (a reader waits on
-  ``filled``, with a deadline);
+  ``filled``, with a deadline; the first reader to wait creates it);
 * ``READY``: readable;
 * ``LEAVING``: readable while it is written to the tier below; its slot is freed once the write is
   done and its last reader has finished.
@@ -144,16 +144,21 @@ class Directory:
                     self.lru[tier].move_to_end(e.key)
 
     # -- eviction -------------------------------------------------------------------------------
-    def victim(self, tier: Tier, loses: Callable[[Entry], bool], protect: frozenset[bytes] = frozenset()) -> Entry | None:
+    def victim(self, tier: Tier, loses: Callable[[Entry], bool], protect: frozenset[bytes] = frozenset(),
+               *, strict: bool = True) -> Entry | None:
         """The least recently used copy in ``tier`` that nobody reads, pins or fills. ``loses(e)``:
         evicting it drops the block from the cache; such a block with cached children is taken only
-        when nothing else is evictable."""
+        when nothing else is evictable. Keys in ``protect`` are never taken (``strict``), or never
+        taken when taking them loses them (a put longer than DRAM may send its own first blocks
+        down a tier, but never drop them)."""
         fallback = None
         for n, (key, e) in enumerate(self.lru[tier].items()):
             if n >= SCAN_LIMIT:
                 break
             c = e.copy(tier)
-            if c is None or c.state is not State.READY or c.readers or e.pins or key in protect:
+            if c is None or c.state is not State.READY or c.readers or e.pins:
+                continue
+            if key in protect and (strict or loses(e)):
                 continue
             if e.children and loses(e):
                 fallback = fallback or e

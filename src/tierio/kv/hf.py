@@ -20,7 +20,7 @@ import inspect
 import json
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import torch
 import xxhash
@@ -271,7 +271,7 @@ class PrefixCache:
         if self._owns_kv:
             self.kv.close()
 
-    def __enter__(self) -> PrefixCache:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

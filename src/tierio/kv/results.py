@@ -4,10 +4,11 @@ background with their outcomes."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from tierio.io.engine import Request
+from tierio.io.engine import Request, submit
 from tierio.kv.rule import FetchRule
 from tierio.kv.stats import Tier
 
@@ -57,16 +58,23 @@ class Pending(Generic[R]):
     running it on the calling thread when no pool thread has started it yet (so waiting on it
     never queues behind other work); it may be called any number of times."""
 
-    def __init__(self, request: Request[R]) -> None:
+    def __init__(self, request: Request[R] | None, value: R | None = None) -> None:
         self._request = request
         self._lock = threading.Lock()
-        self._settled = False
-        self._value: R | None = None
+        self._settled = request is None
+        self._value: R | None = value
         self._error: BaseException | None = None
+
+    @classmethod
+    def run(cls, call: Callable[[], R], inline: bool) -> Pending[R]:
+        """``call`` on the shared pool, or (``inline``: a transfer too small to be worth a thread
+        hand-off) right here, returning an already-settled handle."""
+        return cls(None, call()) if inline else cls(submit(call))
 
     def result(self) -> R:
         with self._lock:
             if not self._settled:
+                assert self._request is not None
                 try:
                     self._value = self._request.result()
                 except BaseException as exc:  # noqa: BLE001 - kept and re-raised to every caller
@@ -77,8 +85,10 @@ class Pending(Generic[R]):
         return self._value  # type: ignore[return-value]
 
     def done(self) -> bool:
+        if self._settled or self._request is None:
+            return True
         f = self._request.future
-        return self._settled or (f.done() and not f.cancelled())
+        return f.done() and not f.cancelled()
 
 
 __all__ = ["GetResult", "Lookup", "Pending", "PrefetchResult", "PutResult"]

@@ -40,14 +40,7 @@ from typing import Any, Self
 
 import numpy as np
 
-from tierio.errors import (
-    ConfigError,
-    DiskFullError,
-    IntegrityError,
-    NotFoundError,
-    StorageError,
-    TierioError,
-)
+from tierio.errors import ConfigError, DiskFullError, IntegrityError, NotFoundError, StorageError, TierioError
 from tierio.io.engine import Request, run_windows, submit
 from tierio.io.files import bounce_pool
 from tierio.kv.config import KVConfig
@@ -66,6 +59,7 @@ from tierio.kv.views import copy_in, copy_out, host_bytes, is_device_tensor, spl
 log = logging.getLogger("tierio.kv")
 
 _IO_ERRORS = (TierioError, OSError)
+INLINE_BYTES = 256 << 10  # puts and gets moving at most this much run on the caller's thread
 
 
 @dataclass(eq=False)
@@ -100,6 +94,7 @@ class KVCache:
         self._writing = 0                              # write-downs started and not finished
         self._leaving = 0                              # DRAM copies in state LEAVING
         self._limbo: dict[Tier, set[int]] = {Tier.DRAM: set(), Tier.NVME: set()}  # slots of detached copies still read
+        self._in_hand: set[int] = set()  # DRAM slots taken from the free list, not yet attached to a copy
         self._fetch_latency = config.fetch_latency_s
         self._closed = False
         dram_slots = DramTier.slots_for(config.dram_bytes, self.block_bytes)
@@ -119,8 +114,16 @@ class KVCache:
     def _open_lower_tiers(self) -> None:
         c = self.config
         if c.nvme_bytes and c.nvme_dir is not None:
-            tier = SlabTier(c.nvme_dir, self.block_bytes, c.nvme_bytes, slab_bytes=c.slab_bytes, piece_bytes=c.piece_bytes,
-                            layout=self.layout.describe())
+            try:
+                tier = SlabTier(c.nvme_dir, self.block_bytes, c.nvme_bytes, slab_bytes=c.slab_bytes,
+                                piece_bytes=c.piece_bytes, layout=self.layout.describe())
+            except DiskFullError as exc:  # a cache is optional: serve from DRAM rather than not at all
+                self.counters.disk_full += 1
+                self._warn("nvme-off", f"{exc}; the NVMe KV tier is off, serving from DRAM only")
+                tier = None
+        else:
+            tier = None
+        if tier is not None:
             self._recover(tier)
             if tier.nslots:
                 self.nvme = tier
@@ -206,16 +209,19 @@ class KVCache:
         the result is ready: keep them unchanged until then."""
         self._check_open()
         keys = list(keys)
-        sources = split(blocks, len(keys), self.block_bytes, "put: blocks")
-        for i, s in enumerate(sources):
-            if not is_device_tensor(s):
-                host_bytes(s, self.block_bytes, f"put: block {i}", writable=False)
+        sources = [s if is_device_tensor(s) else host_bytes(s, self.block_bytes, f"put: block {i}", writable=False)
+                   for i, s in enumerate(split(blocks, len(keys), self.block_bytes, "put: blocks"))]
         parents = [parent or self.root, *keys[:-1]]
-        return Pending(submit(partial(self._put, keys, parents, sources)))
+        return Pending.run(partial(self._put, keys, parents, sources), self._inline(len(keys)))
+
+    def _inline(self, blocks: int) -> bool:
+        """Transfers this small run on the calling thread: a hand-off to the pool costs more."""
+        return blocks * self.block_bytes <= INLINE_BYTES
 
     def _put(self, keys: list[bytes], parents: list[bytes], sources: list[Any]) -> PutResult:
         stored = cached = 0
         chain: list[Entry] = []
+        protect = frozenset(keys)
         for i, key in enumerate(keys):
             with self._lock:
                 e = self._dir.entries.get(key)
@@ -224,8 +230,8 @@ class KVCache:
                     cached += 1
                     chain.append(e)
                     continue
-            # A put longer than DRAM evicts its own first blocks: they go down to NVMe, not away.
-            slot = self._dram_slot(frozenset()) if self.dram is not None else None
+            # A put longer than DRAM may send its own first blocks down a tier, never drop them.
+            slot = self._dram_slot(protect, strict=False) if self.dram is not None else None
             if slot is None:  # the rest of the chain would be unreachable without this block
                 dropped = len(keys) - i
                 with self._lock:
@@ -247,13 +253,14 @@ class KVCache:
         assert self.dram is not None
         with self._lock:
             e = self._dir.entries.get(key)
+            self._in_hand.discard(slot)
             if e is not None and e.has_copies():
                 e.uses += 1
                 self._release(Tier.DRAM, slot)
                 return None
             e = e or self._dir.add(key, parent)
             e.uses += 1
-            c = Copy(Tier.DRAM, slot, State.FILLING, filled=threading.Event())
+            c = Copy(Tier.DRAM, slot, State.FILLING)
             self._dir.attach(e, c)
         ok = False
         try:
@@ -267,8 +274,8 @@ class KVCache:
                     self.counters.stored += 1
                 else:
                     self._drop_copy(e, Tier.DRAM)
-            assert event is not None
-            event.set()
+            if event is not None:
+                event.set()
         return e
 
     def _put_done(self, chain: list[Entry], stored: int, cached: int, dropped: int) -> PutResult:
@@ -286,7 +293,7 @@ class KVCache:
     def _loses_dram(self, e: Entry) -> bool:
         return e.nvme is None and not self._admitted(e)
 
-    def _dram_slot(self, protect: frozenset[bytes]) -> int | None:
+    def _dram_slot(self, protect: frozenset[bytes], *, strict: bool = True) -> int | None:
         """A free DRAM slot, made by evicting if need be. Evicting runs the victim's write-down on
         this thread, or a queued one, or waits (bounded) for one running elsewhere: never for a
         request still in a queue. None when every slot is pinned, read or filling."""
@@ -297,8 +304,9 @@ class KVCache:
             with self._space:
                 slot = self.dram.alloc()
                 if slot is not None:
+                    self._in_hand.add(slot)  # until the caller attaches or releases it
                     return slot
-                victim = self._dir.victim(Tier.DRAM, self._loses_dram, protect)
+                victim = self._dir.victim(Tier.DRAM, self._loses_dram, protect, strict=strict)
                 if victim is not None:
                     job = self._start_write_down(victim, evict=True)
                 elif self._writes:
@@ -354,8 +362,8 @@ class KVCache:
     def _plan_write_downs(self) -> list[_WriteDown]:
         """Under the lock: write-downs that bring DRAM back under its low watermark once it is above
         its high one (at most ``depth`` in flight)."""
-        if self.dram is None:
-            return []
+        if self.dram is None or (self.nvme is None and self.shared is None):
+            return []  # nothing below DRAM: blocks leave only when a put needs their slot
         wm, n = self.config.watermarks, self.dram.nslots
         jobs: list[_WriteDown] = []
         if self.dram.used - self._leaving <= wm.high * n:
@@ -474,11 +482,9 @@ class KVCache:
         arrived verified: use that many, recompute the rest."""
         self._check_open()
         keys = list(keys)
-        dests = split(out, len(keys), self.block_bytes, "get: out")
-        for i, d in enumerate(dests):
-            if not is_device_tensor(d):
-                host_bytes(d, self.block_bytes, f"get: out block {i}", writable=True)
-        return Pending(submit(partial(self._get, keys, dests)))
+        dests = [d if is_device_tensor(d) else host_bytes(d, self.block_bytes, f"get: out block {i}", writable=True)
+                 for i, d in enumerate(split(out, len(keys), self.block_bytes, "get: out"))]
+        return Pending.run(partial(self._get, keys, dests), self._inline(len(keys)))
 
     def _get(self, keys: list[bytes], dests: list[Any]) -> GetResult:
         with self._lock:
@@ -500,7 +506,10 @@ class KVCache:
                 stop.set()
             return got
 
-        served = run_windows(range(len(keys)), one, self._depth())
+        if len(keys) * self.block_bytes <= self.config.piece_bytes:  # small: the pool would cost more than the copies
+            served = [one(i) for i in range(len(keys))]
+        else:
+            served = run_windows(range(len(keys)), one, self._depth())
         prefix = next((i for i, t in enumerate(served) if t is None), len(served))
         tiers = [t for t in served[:prefix] if t is not None]
         with self._lock:
@@ -526,7 +535,11 @@ class KVCache:
         if c is not None:
             c.readers += 1
             return e, c, None
-        return e, None, e.dram.filled if e.dram is not None else None
+        if e.dram is None:
+            return e, None, None
+        if e.dram.filled is None:  # made by the first waiter: most fills have none
+            e.dram.filled = threading.Event()
+        return e, None, e.dram.filled
 
     def _serve(self, key: bytes, dest: Any) -> Tier | None:
         """Deliver one block into ``dest``; the tier it came from, or None (a miss, counted)."""
@@ -627,7 +640,7 @@ class KVCache:
         keys = list(keys)
         until = None if deadline_s is None else time.monotonic() + deadline_s
         parents = [parent or self.root, *keys[:-1]]
-        return Pending(submit(partial(self._prefetch, keys, parents, until)))
+        return Pending(submit(partial(self._prefetch, keys, parents, until)))  # always in the background
 
     def _prefetch(self, keys: list[bytes], parents: list[bytes], until: float | None) -> PrefetchResult:
         if self.dram is None:
@@ -667,13 +680,14 @@ class KVCache:
         """Fill DRAM ``slot`` with ``key``'s block from its NVMe copy ``src`` (or the shared store)."""
         assert self.dram is not None
         with self._lock:
+            self._in_hand.discard(slot)
             e = self._dir.entries.get(key)
             if e is not None and e.dram is not None:  # another thread brought it up meanwhile
                 self._release(Tier.DRAM, slot)
                 return "present"
             if e is None:
                 e = self._dir.add(key, parent)
-            c = Copy(Tier.DRAM, slot, State.FILLING, filled=threading.Event())
+            c = Copy(Tier.DRAM, slot, State.FILLING)
             self._dir.attach(e, c)
         ok = False
         try:
@@ -685,8 +699,8 @@ class KVCache:
                     c.state = State.READY
                 else:
                     self._drop_copy(e, Tier.DRAM)
-            assert event is not None
-            event.set()
+            if event is not None:
+                event.set()
         return "moved" if ok else "failed"
 
     def _fetch_into(self, e: Entry, src: Copy | None, host: np.ndarray) -> bool:
@@ -767,10 +781,11 @@ class KVCache:
                         if job is not None:
                             jobs.append(job)
         run_windows(jobs, self._write_down, self.config.depth)
-        self._drain()
+        self.wait()
         return sum(1 for j in jobs if j.dst is not None and j.dst.state is State.READY)
 
-    def _drain(self) -> None:
+    def wait(self) -> None:
+        """Wait for every background write-down started so far."""
         while True:
             with self._lock:
                 if not self._writes:
@@ -802,16 +817,21 @@ class KVCache:
         """Broken bookkeeping invariants (empty when all hold): every slot free or held by exactly
         one copy, no negative counts, nothing listed that holds nothing. Meaningful at any time;
         call it when no transfer runs to also check that nothing is left pinned or being read."""
-        with self._lock:
+        if not self._lock.acquire(timeout=self.config.io_timeout_s):
+            return ["the cache's lock is held and was not released (a leak or a hang)"]
+        try:
             slots: dict[Tier, tuple[int, list[int]]] = {}
             if self.dram is not None:
-                slots[Tier.DRAM] = (self.dram.nslots, self.dram.free_list() + sorted(self._limbo[Tier.DRAM]))
+                slots[Tier.DRAM] = (self.dram.nslots,
+                                    self.dram.free_list() + sorted(self._limbo[Tier.DRAM]) + sorted(self._in_hand))
             if self.nvme is not None:
                 slots[Tier.NVME] = (self.nvme.nslots, self.nvme.free_list() + sorted(self._limbo[Tier.NVME]))
             out = self._dir.problems(slots)
             if self._leaving != sum(1 for e in self._dir.entries.values() if e.dram and e.dram.state is State.LEAVING):
                 out.append("the count of LEAVING DRAM copies is off")
             return out
+        finally:
+            self._lock.release()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -825,7 +845,7 @@ class KVCache:
         try:
             if self.nvme is not None and (self.config.persist_on_close if persist is None else persist):
                 self.flush()
-            self._drain()
+            self.wait()
         finally:
             self._closed = True
             if self.nvme is not None:

@@ -25,27 +25,14 @@ from pathlib import Path
 
 import numpy as np
 
-from tierio.errors import (
-    ConfigError,
-    NotFoundError,
-    StorageError,
-    TierioError,
-)
+from tierio.errors import ConfigError, IntegrityError, NotFoundError, StorageError, TierioError
+from tierio.io.buffers import ALIGN, address_of
 from tierio.io.durable import write_json_atomic
-from tierio.io.files import os_error, pread_full, pwrite_all, read_into
+from tierio.io.files import bounce_pool, os_error, pread_full, pwrite_all, read_into
 from tierio.io.paths import open_beneath
 from tierio.kv.slabindex import (
-    FREE_RECORD,
-    HEADER_LIMIT,
-    HEADER_NAME,
-    INDEX_NAME,
-    LOCK_NAME,
-    RECORD_BYTES,
-    Geometry,
-    SlotRecord,
-    parse_header,
-    parse_index,
-    slab_name,
+    FREE_RECORD, HEADER_LIMIT, HEADER_NAME, INDEX_NAME, LOCK_NAME, RECORD_BYTES, Geometry, SlotRecord,
+    parse_header, parse_index, slab_name,
 )
 from tierio.kv.stats import Tier
 
@@ -100,8 +87,11 @@ def _lock(directory: Path) -> int:
             raise StorageError(f"the NVMe KV tier {directory} is in use by another process (pid {owner}); "
                                "each tier belongs to one process at a time: give this one its own directory") from None
         raise os_error(exc, directory / LOCK_NAME, "locking") from exc
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:  # who holds it, for the message above; informational only (a full disk may refuse it)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass
     return fd
 
 
@@ -136,6 +126,9 @@ class SlabTier:
         self._index_fd = -1
         try:
             self._open(Geometry.for_budget(block_bytes, budget, slab_bytes), layout)
+        except OSError as exc:
+            self.close()
+            raise os_error(exc, self.directory, "opening the NVMe KV tier in") from exc
         except BaseException:
             self.close()
             raise
@@ -268,12 +261,25 @@ class SlabTier:
         slab, offset = self.geometry.locate(slot)
         return self.files[slab], offset
 
-    def read(self, slot: int, dest: np.ndarray | memoryview) -> None:
+    def read(self, slot: int, dest: np.ndarray) -> None:
         """Read the block of ``slot`` into ``dest`` (any host buffer of the block's size)."""
         f, offset = self.where(slot)
         n = self.geometry.block_bytes
-        read_into(f.path, offset, dest, fd=f.fd, direct=f.direct, chunk_size=self.piece_bytes,
-                  depth=max(1, min(4, -(-n // self.piece_bytes))))
+        if n > self.piece_bytes:  # large: windows in flight, the aligned interior straight into dest
+            read_into(f.path, offset, dest, fd=f.fd, direct=f.direct, chunk_size=self.piece_bytes,
+                      depth=max(1, min(4, -(-n // self.piece_bytes))))
+            return
+        if not f.direct or (address_of(dest) % ALIGN == 0 and n % ALIGN == 0):
+            got = pread_full(f.fd, memoryview(dest), offset, f.path)
+        else:  # one aligned read of the slot through a reused bounce buffer
+            bounce = bounce_pool().acquire(self.slot_bytes)
+            try:
+                got = pread_full(f.fd, bounce.view[:self.slot_bytes], offset, f.path, need=n)
+                np.copyto(dest, bounce.array[:n])
+            finally:
+                bounce_pool().release(bounce)
+        if got < n:
+            raise IntegrityError(f"{f.path} ends inside slot {slot}: the slab is truncated")
 
     def write(self, slot: int, src: memoryview, record: SlotRecord) -> None:
         """Write a whole aligned slot, then commit its record. A slot that held another block has
