@@ -10,10 +10,20 @@ Slot bookkeeping (which slots are free) is plain data changed only under the rou
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from tierio.io.buffers import ALIGN, HostBuffer, align_up
 from tierio.kv.stats import Tier
+
+
+def _cuda_in_use() -> bool:
+    """Pin when this process can hand blocks to an accelerator. An engine imports torch before it
+    opens its KV cache; a process that has not (a CLI, a test child) has no device tensors, and is
+    spared importing torch only to learn that."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_available())
 
 
 class DramTier:
@@ -23,7 +33,7 @@ class DramTier:
         self.block_bytes = block_bytes
         self.slot_bytes = align_up(block_bytes, ALIGN)
         self.nslots = nslots
-        self.buffer = HostBuffer(nslots * self.slot_bytes)
+        self.buffer = HostBuffer(nslots * self.slot_bytes, pin=_cuda_in_use())
         self._free = list(range(nslots - 1, -1, -1))  # pop() hands out low slots first
 
     @classmethod

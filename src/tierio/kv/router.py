@@ -244,8 +244,7 @@ class KVCache:
                 stored += 1
                 chain.append(e)
             with self._lock:  # keep write-downs flowing while a long put fills DRAM
-                jobs = self._plan_write_downs()
-            self._start(jobs)
+                self._write_down_excess()
         return self._put_done(chain, stored, cached, 0)
 
     def _fill(self, key: bytes, parent: bytes, slot: int, source: Any) -> Entry | None:
@@ -282,8 +281,7 @@ class KVCache:
         with self._lock:
             self._dir.touch(chain)
             self.counters.already_cached += cached
-            jobs = self._plan_write_downs()
-        self._start(jobs)
+            self._write_down_excess()
         return PutResult(stored, cached, dropped)
 
     # -- DRAM slots and write-downs -------------------------------------------------------------
@@ -316,8 +314,8 @@ class KVCache:
                 elif time.monotonic() > deadline:
                     self.counters.timeouts += 1
                     return None
-                else:
-                    self._space.wait(max(0.0, deadline - time.monotonic()))
+                else:  # every LEAVING copy's write is running somewhere: wait for one to free its slot
+                    self._space.wait(min(0.05, max(0.0, deadline - time.monotonic())))
                     continue
             if job is not None:
                 self._write_down(job)
@@ -359,31 +357,25 @@ class KVCache:
                 slot = self.nvme.alloc()
         return slot
 
-    def _plan_write_downs(self) -> list[_WriteDown]:
-        """Under the lock: write-downs that bring DRAM back under its low watermark once it is above
-        its high one (at most ``depth`` in flight)."""
+    def _write_down_excess(self) -> None:
+        """Under the lock: once DRAM is above its high watermark, start write-downs (at most
+        ``depth`` in flight) that bring it back to its low one. Each is queued in ``_writes`` in the
+        same lock hold that marks its copy LEAVING, so a thread that needs the slot always finds
+        the request to run itself rather than waiting for a pool thread that may never come."""
         if self.dram is None or (self.nvme is None and self.shared is None):
-            return []  # nothing below DRAM: blocks leave only when a put needs their slot
+            return  # nothing below DRAM: blocks leave only when a put needs their slot
         wm, n = self.config.watermarks, self.dram.nslots
-        jobs: list[_WriteDown] = []
         if self.dram.used - self._leaving <= wm.high * n:
-            return jobs
+            return
+        while self._writes and self._writes[0].future.done():
+            self._writes.popleft()
         while self.dram.used - self._leaving > wm.low * n and self._writing < self.config.depth:
             victim = self._dir.victim(Tier.DRAM, self._loses_dram)
             if victim is None:
                 break
             job = self._start_write_down(victim, evict=True)
             if job is not None:
-                jobs.append(job)
-        return jobs
-
-    def _start(self, jobs: list[_WriteDown]) -> None:
-        for job in jobs:
-            req = submit(partial(self._write_down, job))
-            with self._lock:
-                while self._writes and self._writes[0].future.done():
-                    self._writes.popleft()
-                self._writes.append(req)
+                self._writes.append(submit(partial(self._write_down, job)))
 
     def _reap(self, req: Request[None]) -> None:
         req.result()  # write-downs count their own I/O failures; anything else is a bug and surfaces

@@ -72,6 +72,9 @@ def split(out: Any, count: int, nbytes: int, what: str) -> list[Any]:
 
 def copy_out(dst: Any, src: np.ndarray, what: str) -> None:
     """Copy one block from host memory ``src`` into a caller's buffer (host or accelerator)."""
+    if isinstance(dst, np.ndarray):  # already checked (host_bytes): the common case, kept cheap
+        np.copyto(dst, src)
+        return
     if is_device_tensor(dst):
         import torch
 
@@ -83,6 +86,9 @@ def copy_out(dst: Any, src: np.ndarray, what: str) -> None:
 
 def copy_in(dst: np.ndarray, src: Any, what: str) -> None:
     """Copy one block from a caller's buffer (host or accelerator) into host memory ``dst``."""
+    if isinstance(src, np.ndarray):
+        np.copyto(dst, src)
+        return
     if is_device_tensor(src):
         import torch
 
