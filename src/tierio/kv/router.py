@@ -60,6 +60,7 @@ log = logging.getLogger("tierio.kv")
 
 _IO_ERRORS = (TierioError, OSError)
 INLINE_BYTES = 256 << 10  # puts and gets moving at most this much run on the caller's thread
+COPY_CHUNK = 256 << 20    # DRAM gets copy runs of adjacent slots in pieces of this size
 
 
 @dataclass(eq=False)
@@ -304,11 +305,11 @@ class KVCache:
                 if slot is not None:
                     self._in_hand.add(slot)  # until the caller attaches or releases it
                     return slot
-                victim = self._dir.victim(Tier.DRAM, self._loses_dram, protect, strict=strict)
-                if victim is not None:
-                    job = self._start_write_down(victim, evict=True)
-                elif self._writes:
+                victim = None if self._writes else self._dir.victim(Tier.DRAM, self._loses_dram, protect, strict=strict)
+                if self._writes:  # finishing (or running) a write-down already begun frees a slot too
                     req = self._writes.popleft()
+                elif victim is not None:
+                    job = self._start_write_down(victim, evict=True)
                 elif not self._leaving:
                     return None
                 elif time.monotonic() > deadline:
@@ -474,11 +475,16 @@ class KVCache:
         arrived verified: use that many, recompute the rest."""
         self._check_open()
         keys = list(keys)
-        dests = [d if is_device_tensor(d) else host_bytes(d, self.block_bytes, f"get: out block {i}", writable=True)
-                 for i, d in enumerate(split(out, len(keys), self.block_bytes, "get: out"))]
-        return Pending.run(partial(self._get, keys, dests), self._inline(len(keys)))
+        flat = None
+        if not isinstance(out, (list, tuple)) and not is_device_tensor(out):
+            flat = host_bytes(out, len(keys) * self.block_bytes, "get: out", writable=True)
+            dests: list[Any] = [flat[i * self.block_bytes:(i + 1) * self.block_bytes] for i in range(len(keys))]
+        else:
+            dests = [d if is_device_tensor(d) else host_bytes(d, self.block_bytes, f"get: out block {i}", writable=True)
+                     for i, d in enumerate(split(out, len(keys), self.block_bytes, "get: out"))]
+        return Pending.run(partial(self._get, keys, dests, flat), self._inline(len(keys)))
 
-    def _get(self, keys: list[bytes], dests: list[Any]) -> GetResult:
+    def _get(self, keys: list[bytes], dests: list[Any], flat: np.ndarray | None) -> GetResult:
         with self._lock:
             chain = []
             for k in keys:
@@ -488,9 +494,21 @@ class KVCache:
                 e.uses += 1
                 chain.append(e)
             self._dir.touch(chain)
+            held = self._hold_dram(chain) if flat is not None else {}
+        try:
+            if held:
+                assert flat is not None
+                self._copy_runs(held, flat)
+        finally:
+            if held:
+                with self._lock:
+                    for i, c in held.items():
+                        self._unread(chain[i], c)
         stop = threading.Event()  # set at the first miss: later blocks are useless without it
 
         def one(i: int) -> Tier | None:
+            if i in held:
+                return Tier.DRAM
             if stop.is_set():
                 return None
             got = self._serve(keys[i], dests[i])
@@ -498,7 +516,8 @@ class KVCache:
                 stop.set()
             return got
 
-        if len(keys) * self.block_bytes <= self.config.piece_bytes:  # small: the pool would cost more than the copies
+        rest = len(keys) - len(held)
+        if rest * self.block_bytes <= self.config.piece_bytes:  # small: the pool would cost more than the copies
             served = [one(i) for i in range(len(keys))]
         else:
             served = run_windows(range(len(keys)), one, self._depth())
@@ -513,9 +532,45 @@ class KVCache:
             c.served_shared += tiers.count(Tier.SHARED)
         return GetResult(prefix, tiers, len(keys) - prefix)
 
+    def _hold_dram(self, chain: list[Entry]) -> dict[int, Copy]:
+        """Under the lock: take a reader on every readable DRAM copy of ``chain`` (by position)."""
+        held = {}
+        for i, e in enumerate(chain):
+            c = e.dram
+            if c is not None and c.readable:
+                c.readers += 1
+                held[i] = c
+        return held
+
+    def _copy_runs(self, held: dict[int, Copy], flat: np.ndarray) -> None:
+        """Copy held DRAM blocks into ``flat`` (blocks back to back), a run of adjacent slots going
+        to adjacent places as one copy: large copies let the C library stream them past the CPU
+        caches, which per-block copies below its threshold (tens of MiB) do not get."""
+        assert self.dram is not None
+        b, slot_b, pool = self.block_bytes, self.dram.slot_bytes, self.dram.buffer.array
+        runs: list[tuple[int, int, int]] = []  # (first block, blocks, first slot)
+        for i in sorted(held):
+            s = held[i].slot
+            if runs and slot_b == b and runs[-1][0] + runs[-1][1] == i and runs[-1][2] + runs[-1][1] == s:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1, runs[-1][2])
+            else:
+                runs.append((i, 1, s))
+        pieces = [(i * b + at, s * slot_b + at, min(COPY_CHUNK, n * b - at)) for i, n, s in runs
+                  for at in range(0, n * b, COPY_CHUNK)]
+
+        def piece(p: tuple[int, int, int]) -> None:
+            dst, src, n = p
+            np.copyto(flat[dst:dst + n], pool[src:src + n])
+
+        if len(pieces) == 1:
+            piece(pieces[0])
+        else:
+            run_windows(pieces, piece, 2)  # memory bandwidth, not threads, is the limit past two
+
     def _depth(self) -> int:
-        """Blocks in flight: ``depth`` × 8 MiB worth, at least ``depth`` blocks (small blocks need more)."""
-        return max(self.config.depth, min(64, self.config.depth * self.config.piece_bytes // max(1, self.block_bytes)))
+        """Blocks in flight: ``depth`` pieces' worth (a block reads in pieces of ``piece_bytes``),
+        so large blocks keep the same bytes in flight as fio's queue depth and small ones more blocks."""
+        return max(2, min(64, self.config.depth * self.config.piece_bytes // max(1, self.block_bytes)))
 
     def _reader(self, key: bytes) -> tuple[Entry | None, Copy | None, threading.Event | None]:
         """Under the lock: the entry of ``key``, its fastest readable copy (now read: readers + 1),
