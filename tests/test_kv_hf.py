@@ -85,6 +85,13 @@ def test_conversations_resume_from_nvme_in_a_new_cache(tmp_path):
         assert a3.cached_tokens == 80  # the 5 whole blocks of turn 2's prompt
         assert pc.kv.stats().counters.served_nvme == 5
         assert a3.tokens == greedy_generate(model, turn3, 12).tokens
+    big = replace(cfg, dram_bytes=16 * layout_for(model, BLOCK).block_bytes)
+    with PrefixCache.open(model, big, block_tokens=BLOCK) as pc:  # the user is back: bring the chain up first
+        assert pc.prefetch(turn3).result().moved == 6  # turn 3 stored its sixth block
+        again = pc.generate(turn3, 12)
+        c = pc.kv.stats().counters
+        assert again.cached_tokens == 96 and (c.served_dram, c.served_nvme) == (6, 0)
+        assert again.tokens == a3.tokens
 
 
 def test_another_model_never_hits_the_same_tier(tmp_path):

@@ -101,23 +101,29 @@ def _slot_offset(slot: int) -> tuple[Path, int]:
     return Path(slab_name(slot // per)), (slot % per) * LAYOUT.block_bytes
 
 
-def test_a_flipped_byte_is_a_miss_and_its_record_is_cleared(tmp_path):
-    chains = _nvme_only(tmp_path)
-    victim = chains[2][1]
-    name, off = _slot_offset(_slot_of(tmp_path, victim))
+def _flip(tmp_path, key: bytes, at: int = 1000) -> None:
+    name, off = _slot_offset(_slot_of(tmp_path, key))
     with open(tmp_path / name, "r+b") as f:
-        f.seek(off + 1000)
+        f.seek(off + at)
         b = f.read(1)
-        f.seek(off + 1000)
+        f.seek(off + at)
         f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_a_flipped_byte_is_a_miss_and_its_record_is_cleared(tmp_path, caplog):
+    chains = _nvme_only(tmp_path)
+    _flip(tmp_path, chains[2][1])
+    _flip(tmp_path, chains[5][0], at=7)
     with cache(tmp_path, dram_blocks=8, admit_uses=1) as c:
         assert c.lookup(chains[2]).blocks == 4  # the index still names it: only a read can tell
         n, _ = read_back(c, chains[2])
         assert n == 1  # the prefix stops at the damaged block: nothing after it is delivered
+        assert read_back(c, chains[5]) == (0, [])
         st = c.stats().counters
-        assert st.integrity_errors == 1 and st.missed == 3
+        assert st.integrity_errors == 2 and st.missed == 7
+        assert caplog.text.count("does not match its checksum") == 1  # warned once, counted each time
         assert c.lookup(chains[2]).blocks == 1
-        for keys in chains[:2] + chains[3:]:  # serving goes on
+        for keys in chains[:2] + chains[3:5]:  # serving goes on
             assert read_back(c, keys)[0] == 4
         assert_clean(c)
     with cache(tmp_path, dram_blocks=8, admit_uses=1) as c:  # the record went with it

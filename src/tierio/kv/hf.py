@@ -29,7 +29,7 @@ from tierio.errors import ConfigError
 from tierio.kv.config import KVConfig
 from tierio.kv.keys import Namespace
 from tierio.kv.layout import DEFAULT_BLOCK_TOKENS, BlockLayout
-from tierio.kv.results import Pending, PutResult
+from tierio.kv.results import Pending, PrefetchResult, PutResult
 from tierio.kv.router import KVCache
 from tierio.kv.rule import DecodeSLA
 
@@ -248,6 +248,14 @@ class PrefixCache:
         storing = self._store(cache, keys, hit) if store else None
         self._storing = storing
         return Prefill(cache, logits, done, n - done, storing)
+
+    def prefetch(self, input_ids: Any, deadline_s: float | None = None) -> Pending[PrefetchResult]:
+        """Bring the cached prefix of a prompt up into DRAM in the background: call it when a paused
+        conversation is about to resume (its next prompt starts with this one); its prefill then
+        uses the first blocks while later ones are still arriving."""
+        ids = _ids(input_ids)
+        keys = self.kv.hash_blocks(ids[0])[: (ids.shape[1] - 1) // self.layout.tokens]
+        return self.kv.prefetch(keys, deadline_s)
 
     @torch.no_grad()
     def generate(self, input_ids: Any, max_new_tokens: int, *, eos_token_id: int | None = None) -> Generation:
