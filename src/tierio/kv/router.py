@@ -21,8 +21,8 @@ Routing (see docs/kv.md):
   counted, warned about once, and the block is not delivered; every reader count, pin and slot is
   released on every path, and no call waits without a deadline.
 
-Locking: one lock guards all bookkeeping (``entries.Directory`` and the tiers' free lists); no I/O
-runs under it. A thread only ever waits for a transfer that is running on another thread, or
+Locking: one lock guards all bookkeeping, every change of which is a ``ledger.Ledger`` method; no
+I/O runs under it. A thread only ever waits for a transfer that is running on another thread, or
 runs a queued one itself, so calls cannot deadlock each other however many threads use the cache.
 """
 
@@ -31,21 +31,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any, Self
 
 import numpy as np
 
 from tierio.errors import ConfigError, DiskFullError, IntegrityError, NotFoundError, StorageError, TierioError
-from tierio.io.engine import Request, run_windows, submit
+from tierio.io.engine import run_windows, submit
 from tierio.io.files import bounce_pool
 from tierio.kv.config import KVConfig
 from tierio.kv.dram import DramTier
-from tierio.kv.entries import Copy, Directory, Entry, State
+from tierio.kv.entries import Copy, Entry, State
+from tierio.kv.ledger import Ledger, WriteDown
 from tierio.kv.keys import BlockKey, Namespace, chain_keys, root_key
 from tierio.kv.layout import BlockLayout
 from tierio.kv.results import GetResult, Lookup, Pending, PrefetchResult, PutResult
@@ -63,17 +63,6 @@ INLINE_BYTES = 256 << 10  # puts and gets moving at most this much run on the ca
 COPY_CHUNK = 256 << 20    # DRAM gets copy runs of adjacent slots in pieces of this size
 
 
-@dataclass(eq=False)
-class _WriteDown:
-    """One block going from its DRAM copy to the NVMe tier and/or the shared store."""
-
-    entry: Entry
-    src: Copy             # the DRAM copy (LEAVING when it is being evicted)
-    dst: Copy | None      # the NVMe copy being filled; None when only the shared store is written
-    evict: bool           # free the DRAM copy once written
-    upload: bool          # also write the block to the shared store
-
-
 class KVCache:
     """A tiered KV block store for one model layout (see the module docstring).
 
@@ -86,16 +75,9 @@ class KVCache:
         self.config = config = config or KVConfig()
         self.root = root_key(namespace, layout)
         self.block_bytes = layout.block_bytes
-        self._lock = threading.Lock()
-        self._space = threading.Condition(self._lock)  # notified whenever a DRAM slot is freed
         self.counters = Counters()
         self._warned: set[str] = set()
         self._notes: list[str] = []
-        self._writes: deque[Request[None]] = deque()   # background write-downs not yet reaped
-        self._writing = 0                              # write-downs started and not finished
-        self._leaving = 0                              # DRAM copies in state LEAVING
-        self._limbo: dict[Tier, set[int]] = {Tier.DRAM: set(), Tier.NVME: set()}  # slots of detached copies still read
-        self._in_hand: set[int] = set()  # DRAM slots taken from the free list, not yet attached to a copy
         self._fetch_latency = config.fetch_latency_s
         self._closed = False
         dram_slots = DramTier.slots_for(config.dram_bytes, self.block_bytes)
@@ -105,7 +87,8 @@ class KVCache:
         self.dram = DramTier(dram_slots, self.block_bytes) if dram_slots else None
         self.nvme: SlabTier | None = None
         self.shared: SharedTier | None = None
-        self._dir = Directory(ghost_limit=4 * dram_slots + 1024)
+        self._ledger = Ledger(config, self.dram, self.counters)
+        self._lock = self._ledger.lock
         try:
             self._open_lower_tiers()
         except BaseException:
@@ -127,13 +110,14 @@ class KVCache:
         if tier is not None:
             self._recover(tier)
             if tier.nslots:
-                self.nvme = tier
-                self._dir.ghost_limit += 4 * tier.nslots
+                self.nvme = self._ledger.nvme = tier
+                self._ledger.dir.ghost_limit += 4 * tier.nslots
             else:
                 tier.close()
                 self._warn("nvme-off", f"the NVMe tier under {c.nvme_dir} has no room for a block; serving from DRAM only")
         if c.shared_url:
             self.shared = SharedTier(c.shared_url, self.block_bytes)
+            self._ledger.shared = True
 
     def _recover(self, tier: SlabTier) -> None:
         """Enter the blocks a previous process committed to ``tier`` (oldest first, so LRU order survives)."""
@@ -146,16 +130,7 @@ class KVCache:
         if report.discarded:
             self._warn("discarded", f"{tier.directory}: {report.discarded} index records were torn, damaged or out of "
                                     f"range and were discarded ({report.reasons})")
-        for rec in report.records:
-            e = self._dir.add(rec.key, rec.parent)
-            e.checksum = rec.checksum
-            self._dir.attach(e, Copy(Tier.NVME, rec.slot, State.READY))
-        for e in self._dir.entries.values():
-            e.children = 0
-        for e in self._dir.entries.values():  # counted once all are in: parents may come after children
-            p = self._dir.entries.get(e.parent)
-            if p is not None:
-                p.children += 1
+        self._ledger.recover(report.records)
         self.counters.recovered = len(report.records)
 
     # -- keys and lookups -----------------------------------------------------------------------
@@ -173,7 +148,7 @@ class KVCache:
         with self._lock:
             self.counters.lookups += 1
             self.counters.lookup_keys += len(keys)
-            entries = self._dir.entries
+            entries = self._ledger.dir.entries
             for k in keys:
                 e = entries.get(k)
                 if e is None or e.where is None:
@@ -222,10 +197,11 @@ class KVCache:
     def _put(self, keys: list[bytes], parents: list[bytes], sources: list[Any]) -> PutResult:
         stored = cached = 0
         chain: list[Entry] = []
+        led = self._ledger
         protect = frozenset(keys)
         for i, key in enumerate(keys):
             with self._lock:
-                e = self._dir.entries.get(key)
+                e = led.dir.entries.get(key)
                 if e is not None and e.has_copies():
                     e.uses += 1
                     cached += 1
@@ -238,150 +214,78 @@ class KVCache:
                 with self._lock:
                     self.counters.put_dropped += dropped
                 return self._put_done(chain, stored, cached, dropped)
-            e = self._fill(key, parents[i], slot, sources[i])
-            if e is None:
-                cached += 1
-            else:
-                stored += 1
-                chain.append(e)
+            e, filled = self._fill(key, parents[i], slot, sources[i])
+            stored += filled
+            cached += not filled
+            chain.append(e)
             with self._lock:  # keep write-downs flowing while a long put fills DRAM
                 self._write_down_excess()
         return self._put_done(chain, stored, cached, 0)
 
-    def _fill(self, key: bytes, parent: bytes, slot: int, source: Any) -> Entry | None:
-        """Copy one block into DRAM ``slot`` under ``key``; None if another thread stored it meanwhile."""
+    def _fill(self, key: bytes, parent: bytes, slot: int, source: Any) -> tuple[Entry, bool]:
+        """Copy one block into DRAM ``slot`` under ``key``; False when another thread stored it meanwhile."""
         assert self.dram is not None
         with self._lock:
-            e = self._dir.entries.get(key)
-            self._in_hand.discard(slot)
-            if e is not None and e.has_copies():
-                e.uses += 1
-                self._release(Tier.DRAM, slot)
-                return None
-            e = e or self._dir.add(key, parent)
+            e, c = self._ledger.attach_filling(key, parent, slot, unless_cached=True)
             e.uses += 1
-            c = Copy(Tier.DRAM, slot, State.FILLING)
-            self._dir.attach(e, c)
+        if c is None:
+            return e, False
         ok = False
         try:
             copy_in(self.dram.block(slot), source, "put: block")
             ok = True
         finally:
             with self._lock:
-                event, c.filled = c.filled, None
-                if ok:
-                    c.state = State.READY
-                    self.counters.stored += 1
-                else:
-                    self._drop_copy(e, Tier.DRAM)
+                event = self._ledger.filled(e, c, ok)
+                self.counters.stored += ok
             if event is not None:
                 event.set()
-        return e
+        return e, True
 
     def _put_done(self, chain: list[Entry], stored: int, cached: int, dropped: int) -> PutResult:
         with self._lock:
-            self._dir.touch(chain)
+            self._ledger.dir.touch(chain)
             self.counters.already_cached += cached
             self._write_down_excess()
         return PutResult(stored, cached, dropped)
 
     # -- DRAM slots and write-downs -------------------------------------------------------------
-    def _admitted(self, e: Entry) -> bool:
-        return e.uses >= self.config.admit_uses and (self.nvme is not None or self.shared is not None)
-
-    def _loses_dram(self, e: Entry) -> bool:
-        return e.nvme is None and not self._admitted(e)
-
     def _dram_slot(self, protect: frozenset[bytes], *, strict: bool = True) -> int | None:
         """A free DRAM slot, made by evicting if need be. Evicting runs the victim's write-down on
         this thread, or a queued one, or waits (bounded) for one running elsewhere: never for a
         request still in a queue. None when every slot is pinned, read or filling."""
-        assert self.dram is not None
+        led = self._ledger
         deadline = time.monotonic() + self.config.io_timeout_s
         while True:
             job = req = None
-            with self._space:
-                slot = self.dram.alloc()
+            with led.space:
+                slot = led.take_dram_slot()
                 if slot is not None:
-                    self._in_hand.add(slot)  # until the caller attaches or releases it
                     return slot
-                victim = None if self._writes else self._dir.victim(Tier.DRAM, self._loses_dram, protect, strict=strict)
-                if self._writes:  # finishing (or running) a write-down already begun frees a slot too
-                    req = self._writes.popleft()
-                elif victim is not None:
-                    job = self._start_write_down(victim, evict=True)
-                elif not self._leaving:
+                if led.writes:  # finishing (or running) a write-down already begun frees a slot too
+                    req = led.writes.popleft()
+                elif (victim := led.dir.victim(Tier.DRAM, led.loses_dram, protect, strict=strict)) is not None:
+                    job = led.start_write_down(victim, evict=True)
+                elif not led.leaving:
                     return None
                 elif time.monotonic() > deadline:
                     self.counters.timeouts += 1
                     return None
                 else:  # every LEAVING copy's write is running somewhere: wait for one to free its slot
-                    self._space.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+                    led.space.wait(min(0.05, max(0.0, deadline - time.monotonic())))
                     continue
             if job is not None:
                 self._write_down(job)
             elif req is not None:
-                self._reap(req)
-
-    def _start_write_down(self, e: Entry, *, evict: bool) -> _WriteDown | None:
-        """Under the lock: begin moving ``e``'s DRAM copy down. Returns the job to run outside the
-        lock, or None when nothing needs writing (the copy was dropped at once when evicting)."""
-        src = e.dram
-        assert src is not None and src.state is State.READY
-        dst = None
-        if self._admitted(e) and e.nvme is None and self.nvme is not None:
-            slot = self._nvme_slot(frozenset((e.key,)))
-            if slot is not None:
-                dst = Copy(Tier.NVME, slot, State.FILLING)
-                self._dir.attach(e, dst)
-        upload = self.shared is not None and self._admitted(e)
-        if dst is None and not upload:
-            if evict:
-                if not self._admitted(e) and e.nvme is None:
-                    self.counters.not_admitted += 1
-                self._drop_copy(e, Tier.DRAM)
-            return None
-        src.readers += 1
-        if evict:
-            src.state = State.LEAVING
-            self._leaving += 1
-        self._writing += 1
-        return _WriteDown(e, src, dst, evict, upload)
-
-    def _nvme_slot(self, protect: frozenset[bytes]) -> int | None:
-        assert self.nvme is not None
-        slot = self.nvme.alloc()
-        if slot is None:
-            victim = self._dir.victim(Tier.NVME, lambda e: e.dram is None, protect)
-            if victim is not None:
-                self._drop_copy(victim, Tier.NVME)
-                slot = self.nvme.alloc()
-        return slot
+                req.result()  # write-downs count their own I/O failures; anything else is a bug and surfaces
 
     def _write_down_excess(self) -> None:
-        """Under the lock: once DRAM is above its high watermark, start write-downs (at most
-        ``depth`` in flight) that bring it back to its low one. Each is queued in ``_writes`` in the
-        same lock hold that marks its copy LEAVING, so a thread that needs the slot always finds
-        the request to run itself rather than waiting for a pool thread that may never come."""
-        if self.dram is None or (self.nvme is None and self.shared is None):
-            return  # nothing below DRAM: blocks leave only when a put needs their slot
-        wm, n = self.config.watermarks, self.dram.nslots
-        if self.dram.used - self._leaving <= wm.high * n:
-            return
-        while self._writes and self._writes[0].future.done():
-            self._writes.popleft()
-        while self.dram.used - self._leaving > wm.low * n and self._writing < self.config.depth:
-            victim = self._dir.victim(Tier.DRAM, self._loses_dram)
-            if victim is None:
-                break
-            job = self._start_write_down(victim, evict=True)
-            if job is not None:
-                self._writes.append(submit(partial(self._write_down, job)))
+        """Under the lock: start the write-downs the watermarks ask for, each queued in the same
+        lock hold that marks its copy LEAVING (see ``Ledger.excess_write_downs``)."""
+        for job in self._ledger.excess_write_downs():
+            self._ledger.writes.append(submit(partial(self._write_down, job)))
 
-    def _reap(self, req: Request[None]) -> None:
-        req.result()  # write-downs count their own I/O failures; anything else is a bug and surfaces
-
-    def _write_down(self, job: _WriteDown) -> None:
+    def _write_down(self, job: WriteDown) -> None:
         assert self.dram is not None
         e, data = job.entry, self.dram.block(job.src.slot)
         ok, checksum, error = False, e.checksum, None
@@ -398,7 +302,7 @@ class KVCache:
             error = exc
         finally:
             with self._lock:
-                self._finish_write_down(job, ok, checksum)
+                self._ledger.finish_write_down(job, ok, checksum, self.block_bytes)
         if error is not None:
             self._failed(error, "writing a block down")
 
@@ -411,62 +315,6 @@ class KVCache:
                     self.counters.uploaded += 1
         except _IO_ERRORS as exc:  # the shared copy is optional: the local one stands
             self._failed(exc, "uploading a block to the shared store")
-
-    def _finish_write_down(self, job: _WriteDown, ok: bool, checksum: int | None) -> None:
-        e, src, dst = job.entry, job.src, job.dst
-        self._writing -= 1
-        if dst is not None:
-            if ok:
-                dst.state = State.READY
-                e.checksum = checksum
-                self.counters.written_down += 1
-                self.counters.written_bytes += self.block_bytes
-            else:
-                self._dir.detach(e, Tier.NVME)
-                self._release(Tier.NVME, dst.slot)
-        src.readers -= 1
-        if job.evict:
-            src.written = True
-            self._free_if_done(e, src)
-        self._dir.forget(e)
-
-    def _free_if_done(self, e: Entry, c: Copy) -> None:
-        if c.state is State.LEAVING and c.written and c.readers == 0 and e.dram is c:
-            self._drop_copy(e, Tier.DRAM)
-
-    def _drop_copy(self, e: Entry, tier: Tier) -> None:
-        """Under the lock: remove ``e``'s copy in ``tier`` and free its slot (the entry goes too
-        once it has no copy and no pin)."""
-        c = self._dir.detach(e, tier)
-        if c is None:
-            return
-        if c.state is State.LEAVING:
-            self._leaving -= 1
-        if c.readers:
-            self._limbo[tier].add(c.slot)  # freed by the last reader
-        else:
-            self._release(tier, c.slot)
-        if self._dir.forget(e):
-            self.counters.dropped += 1
-
-    def _release(self, tier: Tier, slot: int) -> None:
-        if tier is Tier.DRAM:
-            assert self.dram is not None
-            self.dram.release(slot)
-            self._space.notify_all()
-        else:
-            assert self.nvme is not None
-            self.nvme.release(slot)
-
-    def _unread(self, e: Entry, c: Copy) -> None:
-        """Under the lock: a transfer finished reading ``c``."""
-        c.readers -= 1
-        if c.readers == 0 and c.slot in self._limbo[c.tier] and e.copy(c.tier) is not c:
-            self._limbo[c.tier].discard(c.slot)
-            self._release(c.tier, c.slot)
-        elif c.tier is Tier.DRAM:
-            self._free_if_done(e, c)
-        self._dir.forget(e)
 
     # -- get ------------------------------------------------------------------------------------
     def get(self, keys: Sequence[bytes], out: Any) -> Pending[GetResult]:
@@ -485,16 +333,17 @@ class KVCache:
         return Pending.run(partial(self._get, keys, dests, flat), self._inline(len(keys)))
 
     def _get(self, keys: list[bytes], dests: list[Any], flat: np.ndarray | None) -> GetResult:
+        led = self._ledger
         with self._lock:
             chain = []
             for k in keys:
-                e = self._dir.entries.get(k)
+                e = led.dir.entries.get(k)
                 if e is None:
                     break
                 e.uses += 1
                 chain.append(e)
-            self._dir.touch(chain)
-            held = self._hold_dram(chain) if flat is not None else {}
+            led.dir.touch(chain)
+            held = led.hold_dram(chain) if flat is not None else {}
         try:
             if held:
                 assert flat is not None
@@ -503,7 +352,7 @@ class KVCache:
             if held:
                 with self._lock:
                     for i, c in held.items():
-                        self._unread(chain[i], c)
+                        led.unread(chain[i], c)
         stop = threading.Event()  # set at the first miss: later blocks are useless without it
 
         def one(i: int) -> Tier | None:
@@ -531,16 +380,6 @@ class KVCache:
             c.served_nvme += tiers.count(Tier.NVME)
             c.served_shared += tiers.count(Tier.SHARED)
         return GetResult(prefix, tiers, len(keys) - prefix)
-
-    def _hold_dram(self, chain: list[Entry]) -> dict[int, Copy]:
-        """Under the lock: take a reader on every readable DRAM copy of ``chain`` (by position)."""
-        held = {}
-        for i, e in enumerate(chain):
-            c = e.dram
-            if c is not None and c.readable:
-                c.readers += 1
-                held[i] = c
-        return held
 
     def _copy_runs(self, held: dict[int, Copy], flat: np.ndarray) -> None:
         """Copy held DRAM blocks into ``flat`` (blocks back to back), a run of adjacent slots going
@@ -572,28 +411,12 @@ class KVCache:
         so large blocks keep the same bytes in flight as fio's queue depth and small ones more blocks."""
         return max(2, min(64, self.config.depth * self.config.piece_bytes // max(1, self.block_bytes)))
 
-    def _reader(self, key: bytes) -> tuple[Entry | None, Copy | None, threading.Event | None]:
-        """Under the lock: the entry of ``key``, its fastest readable copy (now read: readers + 1),
-        or the event to wait on while its DRAM copy is being filled."""
-        e = self._dir.entries.get(key)
-        if e is None:
-            return None, None, None
-        c = e.fastest_readable()
-        if c is not None:
-            c.readers += 1
-            return e, c, None
-        if e.dram is None:
-            return e, None, None
-        if e.dram.filled is None:  # made by the first waiter: most fills have none
-            e.dram.filled = threading.Event()
-        return e, None, e.dram.filled
-
     def _serve(self, key: bytes, dest: Any) -> Tier | None:
         """Deliver one block into ``dest``; the tier it came from, or None (a miss, counted)."""
         deadline = time.monotonic() + self.config.io_timeout_s
         while True:
             with self._lock:
-                e, c, wait = self._reader(key)
+                e, c, wait = self._ledger.reader(key)
             if c is not None or wait is None:
                 break
             if not wait.wait(max(0.0, deadline - time.monotonic())):
@@ -608,7 +431,7 @@ class KVCache:
             return self._read_copy(e, c, dest)
         finally:
             with self._lock:
-                self._unread(e, c)
+                self._ledger.unread(e, c)
 
     def _read_copy(self, e: Entry, c: Copy, dest: Any) -> Tier | None:
         if c.tier is Tier.DRAM:
@@ -639,7 +462,7 @@ class KVCache:
         """A copy failed a read or a check: nobody gets it again (the record goes too)."""
         with self._lock:
             if e.copy(c.tier) is c:
-                self._drop_copy(e, c.tier)
+                self._ledger.drop_copy(e, c.tier)
         if c.tier is Tier.NVME and self.nvme is not None and isinstance(exc, IntegrityError):
             try:
                 self.nvme.clear(c.slot)  # the slot is ours until our reader count drops
@@ -705,8 +528,9 @@ class KVCache:
     def _promote(self, key: bytes, parent: bytes, protect: frozenset[bytes], until: float | None) -> str:
         if until is not None and time.monotonic() > until:
             return "late"
+        led = self._ledger
         with self._lock:
-            e = self._dir.entries.get(key)
+            e = led.dir.entries.get(key)
             if e is not None and e.dram is not None:
                 return "present"
             src = e.nvme if e is not None and e.nvme is not None and e.nvme.readable else None
@@ -721,31 +545,21 @@ class KVCache:
             if src is not None:
                 assert e is not None
                 with self._lock:
-                    self._unread(e, src)
+                    led.unread(e, src)
 
     def _bring_up(self, key: bytes, parent: bytes, slot: int, src: Copy | None) -> str:
         """Fill DRAM ``slot`` with ``key``'s block from its NVMe copy ``src`` (or the shared store)."""
         assert self.dram is not None
         with self._lock:
-            self._in_hand.discard(slot)
-            e = self._dir.entries.get(key)
-            if e is not None and e.dram is not None:  # another thread brought it up meanwhile
-                self._release(Tier.DRAM, slot)
-                return "present"
-            if e is None:
-                e = self._dir.add(key, parent)
-            c = Copy(Tier.DRAM, slot, State.FILLING)
-            self._dir.attach(e, c)
+            e, c = self._ledger.attach_filling(key, parent, slot, unless_cached=False)
+        if c is None:  # another thread brought it up meanwhile
+            return "present"
         ok = False
         try:
             ok = self._fetch_into(e, src, self.dram.block(slot))
         finally:
             with self._lock:
-                event, c.filled = c.filled, None
-                if ok:
-                    c.state = State.READY
-                else:
-                    self._drop_copy(e, Tier.DRAM)
+                event = self._ledger.filled(e, c, ok)
             if event is not None:
                 event.set()
         return "moved" if ok else "failed"
@@ -772,23 +586,11 @@ class KVCache:
         """Keep the longest cached prefix of ``keys`` from being evicted; returns its length.
         Every pin needs an ``unpin`` (``lease`` pairs them)."""
         with self._lock:
-            n = 0
-            for k in keys:
-                e = self._dir.entries.get(k)
-                if e is None or not e.has_copies():
-                    break
-                e.pins += 1
-                n += 1
-            return n
+            return self._ledger.pin(list(keys))
 
     def unpin(self, keys: Sequence[bytes]) -> None:
         with self._lock:
-            for k in keys:
-                e = self._dir.entries.get(k)
-                if e is None or e.pins == 0:
-                    break
-                e.pins -= 1
-                self._dir.forget(e)
+            self._ledger.unpin(list(keys))
 
     @contextmanager
     def lease(self, keys: Sequence[bytes]) -> Iterator[int]:
@@ -802,29 +604,20 @@ class KVCache:
     def evict(self, keys: Sequence[bytes], tier: Tier | None = None) -> int:
         """Drop the copies of ``keys`` (in ``tier`` only, if given) that nobody pins or reads;
         returns how many copies went."""
-        n = 0
         with self._lock:
-            for k in keys:
-                e = self._dir.entries.get(k)
-                if e is None or e.pins:
-                    continue
-                for t in (Tier.DRAM, Tier.NVME) if tier is None else (tier,):
-                    c = e.copy(t)
-                    if c is not None and c.state is State.READY and not c.readers:
-                        self._drop_copy(e, t)
-                        n += 1
-        return n
+            return self._ledger.evict(list(keys), (Tier.DRAM, Tier.NVME) if tier is None else (tier,))
 
     def flush(self) -> int:
         """Write every admitted DRAM block that has no NVMe copy down to NVMe (keeping it in DRAM)
         and wait for every write-down in flight; returns how many blocks it wrote."""
         self._check_open()
+        led = self._ledger
         with self._lock:
             jobs = []
             if self.nvme is not None:
-                for e in list(self._dir.lru[Tier.DRAM].values()):
-                    if e.dram is not None and e.dram.state is State.READY and e.nvme is None and self._admitted(e):
-                        job = self._start_write_down(e, evict=False)
+                for e in list(led.dir.lru[Tier.DRAM].values()):
+                    if e.dram is not None and e.dram.state is State.READY and e.nvme is None and led.admitted(e):
+                        job = led.start_write_down(e, evict=False)
                         if job is not None:
                             jobs.append(job)
         run_windows(jobs, self._write_down, self.config.depth)
@@ -835,10 +628,10 @@ class KVCache:
         """Wait for every background write-down started so far."""
         while True:
             with self._lock:
-                if not self._writes:
+                if not self._ledger.writes:
                     return
-                req = self._writes.popleft()
-            self._reap(req)
+                req = self._ledger.writes.popleft()
+            req.result()
 
     # -- reporting and life cycle ---------------------------------------------------------------
     @property
@@ -852,11 +645,10 @@ class KVCache:
                 tiers.append(TierStats(Tier.DRAM, self.dram.nslots, self.dram.used, self.dram.slot_bytes))
             if self.nvme is not None:
                 tiers.append(TierStats(Tier.NVME, self.nvme.nslots, self.nvme.used, self.nvme.slot_bytes, self.nvme.direct))
-            entries = self._dir.entries.values()
+            pinned, reading = self._ledger.pinned_and_reading()
             return KVStats(
-                blocks=len(self._dir.entries), block_bytes=self.block_bytes, tiers=tiers,
-                counters=replace(self.counters), pinned=sum(1 for e in entries if e.pins),
-                reading=sum((e.dram.readers if e.dram else 0) + (e.nvme.readers if e.nvme else 0) for e in entries),
+                blocks=len(self._ledger.dir.entries), block_bytes=self.block_bytes, tiers=tiers,
+                counters=replace(self.counters), pinned=pinned, reading=reading,
                 fetch_latency_s=self._fetch_latency, shared=self.shared.url if self.shared else None,
                 notes=list(self._notes))
 
@@ -867,16 +659,7 @@ class KVCache:
         if not self._lock.acquire(timeout=self.config.io_timeout_s):
             return ["the cache's lock is held and was not released (a leak or a hang)"]
         try:
-            slots: dict[Tier, tuple[int, list[int]]] = {}
-            if self.dram is not None:
-                slots[Tier.DRAM] = (self.dram.nslots,
-                                    self.dram.free_list() + sorted(self._limbo[Tier.DRAM]) + sorted(self._in_hand))
-            if self.nvme is not None:
-                slots[Tier.NVME] = (self.nvme.nslots, self.nvme.free_list() + sorted(self._limbo[Tier.NVME]))
-            out = self._dir.problems(slots)
-            if self._leaving != sum(1 for e in self._dir.entries.values() if e.dram and e.dram.state is State.LEAVING):
-                out.append("the count of LEAVING DRAM copies is off")
-            return out
+            return self._ledger.problems()
         finally:
             self._lock.release()
 
