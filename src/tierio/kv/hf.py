@@ -29,7 +29,7 @@ from tierio.errors import ConfigError
 from tierio.kv.config import KVConfig
 from tierio.kv.keys import Namespace
 from tierio.kv.layout import DEFAULT_BLOCK_TOKENS, BlockLayout
-from tierio.kv.results import Pending, PrefetchResult, PutResult
+from tierio.kv.results import Pending, PrefetchResult
 from tierio.kv.router import KVCache
 from tierio.kv.rule import DecodeSLA
 
@@ -171,7 +171,7 @@ class Prefill:
     logits: torch.Tensor     # the last prompt position's logits, [1, vocab]
     cached_tokens: int       # prompt tokens loaded from tierio
     computed_tokens: int     # prompt tokens the model ran
-    storing: Pending[PutResult] | None  # the put of the prompt's new blocks (runs in the background)
+    stored_blocks: int       # the prompt's new whole blocks now in the cache
 
 
 class PrefixCache:
@@ -186,7 +186,6 @@ class PrefixCache:
         self.sla = sla
         self._calling = _Calling.of(model)
         self._owns_kv = owns_kv
-        self._storing: Pending[PutResult] | None = None
 
     @classmethod
     def open(cls, model: Any, config: KVConfig | None = None, *, block_tokens: int = DEFAULT_BLOCK_TOKENS,
@@ -219,11 +218,13 @@ class PrefixCache:
             layers.append((k, v))
         return new_cache(layers), got
 
-    def _store(self, cache: Any, keys: list[bytes], start: int) -> Pending[PutResult] | None:
-        """Put blocks ``start..len(keys)`` of the prompt, cut out of the model's cache."""
+    def _store(self, cache: Any, keys: list[bytes], start: int) -> int:
+        """Put blocks ``start..len(keys)`` of the prompt, cut out of the model's cache, and wait for
+        the copy: a few milliseconds, and a copy left running would compete with the decode steps
+        that follow for the same cores."""
         n = len(keys) - start
         if n <= 0:
-            return None
+            return 0
         lay = self.layout
         layers = cache_layers(cache)
         blocks = torch.empty((n, *lay.shape), dtype=layers[0][0].dtype)
@@ -232,12 +233,11 @@ class PrefixCache:
             for i, t in ((0, k), (1, v)):
                 part = t[0, :, lo:hi, :].reshape(lay.kv_heads, n, lay.tokens, lay.head_dim)
                 blocks[:, layer, i].copy_(part.permute(1, 0, 2, 3))
-        return self.kv.put(keys[start:], blocks, parent=keys[start - 1] if start else None)
+        return self.kv.put(keys[start:], blocks, parent=keys[start - 1] if start else None).result().stored
 
     @torch.no_grad()
     def prefill(self, input_ids: Any, *, store: bool = True) -> Prefill:
         """Run the prompt's prefill on top of its cached prefix and store its new whole blocks."""
-        self._settle()
         ids = _ids(input_ids).to(self.model.device)
         n = ids.shape[1]
         keys = self.kv.hash_blocks(ids[0])
@@ -245,9 +245,8 @@ class PrefixCache:
         cache, hit = self._load(usable, ids.device)
         done = hit * self.layout.tokens
         logits = _forward(self.model, self._calling, ids[:, done:], cache)
-        storing = self._store(cache, keys, hit) if store else None
-        self._storing = storing
-        return Prefill(cache, logits, done, n - done, storing)
+        stored = self._store(cache, keys, hit) if store else 0
+        return Prefill(cache, logits, done, n - done, stored)
 
     def prefetch(self, input_ids: Any, deadline_s: float | None = None) -> Pending[PrefetchResult]:
         """Bring the cached prefix of a prompt up into DRAM in the background: call it when a paused
@@ -268,14 +267,7 @@ class PrefixCache:
         tokens = _decode(self.model, self._calling, pre.cache, pre.logits, max_new_tokens, eos_token_id, device)
         return Generation(tokens, pre.cached_tokens, ttft, time.perf_counter() - t0)
 
-    def _settle(self) -> None:
-        """Wait for the previous prompt's put (its blocks are this prompt's likely prefix)."""
-        if self._storing is not None:
-            self._storing.result()
-            self._storing = None
-
     def close(self) -> None:
-        self._settle()
         if self._owns_kv:
             self.kv.close()
 
