@@ -218,10 +218,10 @@ class PrefixCache:
             layers.append((k, v))
         return new_cache(layers), got
 
-    def _store(self, cache: Any, keys: list[bytes], start: int) -> int:
-        """Put blocks ``start..len(keys)`` of the prompt, cut out of the model's cache, and wait for
-        the copy: a few milliseconds, and a copy left running would compete with the decode steps
-        that follow for the same cores."""
+    def store_blocks(self, cache: Any, keys: list[bytes], start: int = 0) -> int:
+        """Put blocks ``start..len(keys)`` of a prompt (its keys), cut out of the model's cache
+        holding it, and wait for the copy: a few milliseconds, and a copy left running would compete
+        with the decode steps that follow for the same cores. Returns the blocks stored."""
         n = len(keys) - start
         if n <= 0:
             return 0
@@ -245,7 +245,7 @@ class PrefixCache:
         cache, hit = self._load(usable, ids.device)
         done = hit * self.layout.tokens
         logits = _forward(self.model, self._calling, ids[:, done:], cache)
-        stored = self._store(cache, keys, hit) if store else 0
+        stored = self.store_blocks(cache, keys, hit) if store else 0
         return Prefill(cache, logits, done, n - done, stored)
 
     def prefetch(self, input_ids: Any, deadline_s: float | None = None) -> Pending[PrefetchResult]:
