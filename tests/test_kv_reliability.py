@@ -9,10 +9,8 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from kv_helpers import LAYOUT, assert_clean, cache, put_chain, read_back, tokens

@@ -29,7 +29,7 @@ def _cache(tmp_path, dram_blocks: int = 12) -> KVCache:
         io_timeout_s=10.0))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _block(key: bytes) -> np.ndarray:
     return np.resize(np.frombuffer(key, dtype=np.uint8), LAYOUT.block_bytes)
 
