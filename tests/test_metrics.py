@@ -190,8 +190,8 @@ def test_alert_options_and_port_in_use_are_config_errors() -> None:
 def test_events_from_many_threads_are_all_counted(exporter) -> None:
     def work() -> None:
         for _ in range(500):
-            events.emit(events.KvLookup("nvme", True))
-            events.emit(events.KvLookup("nvme", False))
+            events.emit(events.CacheLookup("weights", True))
+            events.emit(events.CacheLookup("weights", False))
 
     threads = [threading.Thread(target=work) for _ in range(4)]
     for t in threads:
@@ -199,8 +199,8 @@ def test_events_from_many_threads_are_all_counted(exporter) -> None:
     for t in threads:
         t.join()
     s = scrape(exporter.port)
-    assert one(s, "tierio_kv_lookups_total", tier="nvme", result="hit") == 2000
-    assert one(s, "tierio_kv_hit_ratio", tier="nvme") == pytest.approx(0.5)
+    assert one(s, "tierio_cache_lookups_total", cache="weights", result="hit") == 2000
+    assert one(s, "tierio_cache_hit_ratio", cache="weights") == pytest.approx(0.5)
     time.sleep(0)  # nothing pending: emits are synchronous
 
 
@@ -245,3 +245,23 @@ def test_stateful_loader_and_shard_cache_report_in_process(tmp_path: Path, expor
     assert one(s, "tierio_data_wait_seconds_count", loader="StatefulLoader") == batches == 12
     misses = one(s, "tierio_cache_lookups_total", cache="shards", result="miss")
     assert misses == len(w.manifest.shards) > 1  # every shard fetched once into the cache
+
+
+def test_kv_cache_gets_report_blocks_served_per_tier(tmp_path: Path, exporter) -> None:
+    from kv_helpers import cache, put_chain, read_back, tokens
+    from tierio.kv import Tier
+
+    with cache(tmp_path, dram_blocks=16, admit_uses=1) as c:
+        keys = c.hash_blocks(tokens(6))
+        put_chain(c, keys)
+        c.flush()
+        c.evict(keys[4:], Tier.DRAM)
+        assert read_back(c, keys)[1] == [Tier.DRAM] * 4 + [Tier.NVME] * 2
+        assert read_back(c, c.hash_blocks(tokens(2, seed=5)))[0] == 0  # never stored: 2 misses
+    s = scrape(exporter.port)
+    assert one(s, "tierio_kv_blocks_served_total", tier="dram") == 4
+    assert one(s, "tierio_kv_blocks_served_total", tier="nvme") == 2
+    assert one(s, "tierio_kv_blocks_served_total", tier="shared") == 0
+    assert one(s, "tierio_kv_blocks_missed_total") == 2
+    assert one(s, "tierio_kv_hit_ratio", tier="dram") == pytest.approx(4 / 8)
+    assert one(s, "tierio_kv_hit_ratio", tier="nvme") == pytest.approx(2 / 8)

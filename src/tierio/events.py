@@ -1,6 +1,6 @@
 """What tierio did, for whoever listens: the capabilities report events here, exporters subscribe.
 
-The capabilities (checkpoints, data, weights, caches) call ``emit(event)`` at the few points
+The capabilities (checkpoints, data, weights, caches, the KV cache) call ``emit(event)`` at the few points
 where something worth measuring finishes; ``tierio.metrics`` (or any user code) subscribes. With
 no subscriber an emit costs one list check. An observer that raises is logged once and never
 fails the operation that reported. Events are plain frozen dataclasses; seconds are wall-clock
@@ -119,16 +119,22 @@ class WeightsLoaded:
 
 
 @dataclass(frozen=True)
-class KvLookup:
-    """A KV-cache block lookup on ``tier`` (e.g. "host", "nvme"): for the KV capability to report."""
+class KvGet:
+    """A KV-cache get asked for ``blocks`` blocks; each tier served its count, the rest missed."""
 
-    tier: str
-    hit: bool
+    blocks: int
+    dram: int
+    nvme: int
+    shared: int
+
+    @property
+    def missed(self) -> int:
+        return self.blocks - self.dram - self.nvme - self.shared
 
 
 Event = Union[
     CheckpointStaged, CheckpointPersisted, TierWritten, CheckpointPromoted, PromotionFailed, CheckpointRestored,
-    CopyUnusable, DataWait, CacheLookup, CacheEviction, WeightsLoaded, KvLookup,
+    CopyUnusable, DataWait, CacheLookup, CacheEviction, WeightsLoaded, KvGet,
 ]
 Observer = Callable[[Event], None]
 
@@ -193,6 +199,6 @@ def timed(batches: Iterable[T], loader: str = "loader") -> Iterator[T]:
 
 __all__ = [
     "CacheEviction", "CacheLookup", "CheckpointPersisted", "CheckpointPromoted", "CheckpointRestored",
-    "CheckpointStaged", "CopyUnusable", "DataWait", "Event", "KvLookup", "Observer", "PromotionFailed",
+    "CheckpointStaged", "CopyUnusable", "DataWait", "Event", "KvGet", "Observer", "PromotionFailed",
     "Subscription", "TierWritten", "WeightsLoaded", "emit", "subscribe", "timed",
 ]

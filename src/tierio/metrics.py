@@ -1,4 +1,4 @@
-"""Prometheus metrics of checkpoints, data loading, caches and weight loads (see docs/diagnose.md).
+"""Prometheus metrics of checkpoints, data loading, caches, weight loads and the KV cache (see docs/diagnose.md).
 
     from tierio import metrics
     exporter = metrics.serve(9400)                   # http://127.0.0.1:9400/metrics

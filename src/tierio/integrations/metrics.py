@@ -1,4 +1,4 @@
-"""Prometheus metrics of checkpoints, data loading, caches and weight loads, with regression alerts.
+"""Prometheus metrics of checkpoints, data loading, caches, weight loads and the KV cache, with regression alerts.
 
 Nothing is exported until asked: ``serve(port)`` starts an HTTP endpoint with its own registry,
 ``register(registry)`` adds tierio's metrics to a registry the application already exposes. Both
@@ -94,8 +94,9 @@ class _Series:
         self.weights_bytes = c("tierio_weights_load_bytes", "Bytes of weights loaded")
         self.weights_seconds = h("tierio_weights_load_seconds", "Duration of weight loads", (), PERSIST_BUCKETS)
         self.weights_gbps = g("tierio_weights_load_gb_per_second", "GB/s of the latest weight load")
-        self.kv = c("tierio_kv_lookups", "KV-cache block lookups by tier and result", ("tier", "result"))
-        self.kv_ratio = g("tierio_kv_hit_ratio", "KV-cache hits / lookups per tier", ("tier",))
+        self.kv_served = c("tierio_kv_blocks_served", "KV-cache blocks a get delivered, by the tier that held them", ("tier",))
+        self.kv_missed = c("tierio_kv_blocks_missed", "KV-cache blocks a get asked for and did not deliver")
+        self.kv_ratio = g("tierio_kv_hit_ratio", "KV-cache blocks served by each tier / blocks asked for, since the exporter started", ("tier",))
         self.alert = g("tierio_alert", "1 while a regression alert is on", ("alert", "key"))
         self.alerts = c("tierio_alerts", "Times a regression alert turned on", ("alert",))
         for name in (PERSIST_REGRESSION, DATA_WAIT_VARIANCE):
@@ -150,7 +151,8 @@ class Exporter:
         self._tiers: set[str] = set()
         self._awaiting: dict[str, dict[int, float]] = {}  # first tier -> step -> commit time (monotonic)
         self._cache: dict[str, list[int]] = {}  # cache -> [hits, lookups]
-        self._kv: dict[str, list[int]] = {}
+        self._kv: dict[str, int] = {}  # tier -> KV blocks it served
+        self._kv_asked = 0
         self._persist = PersistRegression(self.options)
         self._waits = DataWaitVariance(self.options)
         self._active: dict[tuple[str, str], str] = {}
@@ -208,9 +210,8 @@ class Exporter:
             s.weights_seconds.observe(ev.seconds)
             if ev.seconds > 0:
                 s.weights_gbps.set(ev.bytes / ev.seconds / 1e9)
-        elif isinstance(ev, events.KvLookup):
-            s.kv.labels(ev.tier, "hit" if ev.hit else "miss").inc()
-            s.kv_ratio.labels(ev.tier).set(self._ratio(self._kv, ev.tier, ev.hit))
+        elif isinstance(ev, events.KvGet):
+            self._on_kv(ev)
         else:
             self._on_checkpoint(ev)
 
@@ -258,6 +259,20 @@ class Exporter:
             s.wait_p99.labels(ev.loader).set(summary.p99)
             s.wait_ratio.labels(ev.loader).set(summary.p99_over_mean)
         self._report(change)
+
+    def _on_kv(self, ev: events.KvGet) -> None:
+        s = self._series
+        served = {"dram": ev.dram, "nvme": ev.nvme, "shared": ev.shared}
+        with self._lock:
+            for tier, n in served.items():
+                self._kv[tier] = self._kv.get(tier, 0) + n
+            self._kv_asked += ev.blocks
+            ratios = {tier: n / self._kv_asked for tier, n in self._kv.items()} if self._kv_asked else {}
+        for tier, n in served.items():
+            s.kv_served.labels(tier).inc(n)
+        s.kv_missed.inc(ev.missed)
+        for tier, ratio in ratios.items():
+            s.kv_ratio.labels(tier).set(ratio)
 
     def _see(self, tier: str) -> None:
         with self._lock:
