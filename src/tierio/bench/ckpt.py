@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from tierio.bench import common
+from tierio.bench import common, integrations
 from tierio.errors import ConfigError
 from tierio.units import human_bytes, parse_size
 
@@ -41,6 +41,7 @@ TARGETS = {
     "restore_vs_fio_read": (">=", 0.9),
     "restore_vs_dcp_load": (">=", 2.0),
     "rss_overhead": ("<=", 1.1),
+    **integrations.TARGETS,
 }
 
 
@@ -50,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensors", type=int, default=96, help="number of tensors, fp32 and bf16 mixed (default 96)")
     p.add_argument("--repeat", type=int, default=5, help="steady-state repetitions of each tierio save (default 5)")
     p.add_argument("--keep", action="store_true", help="keep the files written (default: delete them)")
+    p.add_argument("--no-integrations", action="store_true", help="skip the Lightning and Trainer save-stall ratios")
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -255,6 +257,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(work / "dcp", ignore_errors=True)
         log("torch.save + fsync")
         torch_save_s = common.timed_torch_save(state["tensors"], work / "torch")
+        integ = {} if args.no_integrations else integrations.measure(size, work / "integrations", args.repeat, log)
     finally:
         if not getattr(args, "keep", False):
             shutil.rmtree(work, ignore_errors=True)
@@ -269,6 +272,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "restore_vs_fio_read": (nbytes / tio["restore_into_s"]) / fio_read,
         "restore_vs_dcp_load": dcp_r["load_s"] / tio["restore_into_s"],
         "rss_overhead": rss["peak_rss"] / (2 * rss["state_bytes"]),
+        **integ.get("ratios", {}),
     }
     met = common.check_targets(ratios, TARGETS)
     return {
@@ -288,6 +292,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "torch_save_fsync_s": torch_save_s,
         "memcpy_s": memcpy_s,
         "rss": rss,
+        "integrations": integ,
         "extra_ratios": {
             "persist_vs_fio_write_end_to_end": (nbytes / tio["persist_s"]) / fio_write,
             "restore_alloc_vs_fio_read": (nbytes / tio["restore_alloc_s"]) / fio_read,

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from tierio import events
 from tierio.dist import rank_world
 from tierio.errors import (
     ConfigError,
@@ -237,6 +238,7 @@ class CheckpointManager:
             self._handles.append(handle)
             self._saves.append({"step": step, "bytes": need, "blocking_seconds": handle.blocking_seconds,
                                 "wait_seconds": handle.wait_seconds})
+        events.emit(events.CheckpointStaged(step, self._tiers[0].url, need, handle.blocking_seconds, handle.wait_seconds))
         self._persist_pool.submit(self._persist, handle, layout, flat.tree, flat.tensors, buf, rollback)
         return handle
 
@@ -252,6 +254,7 @@ class CheckpointManager:
         # Persists in flight land first (none may land after the rollback point); promotions are not
         # waited for, so a stalled slower tier never holds up a restore from a faster one.
         self._drain(promotions=False)
+        started = time.perf_counter()
         candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
         if not candidates:
             raise NotFoundError(f"no committed checkpoint on any tier ({', '.join(self.tiers)})")
@@ -269,6 +272,7 @@ class CheckpointManager:
                         )
                     state = load_rank(ts.store, man, self.rank, into)
                     self._note_restore(s, ts.url)
+                    events.emit(events.CheckpointRestored(s, ts.url, time.perf_counter() - started))
                     if failures:
                         log.warning("restored step %d from %s after: %s", s, ts.url, "; ".join(failures))
                     return state
@@ -279,6 +283,7 @@ class CheckpointManager:
                     warnings.warn(msg + "; trying the next tier", stacklevel=2)
                     log.warning("%s", msg)
                     failures.append(msg)
+                    events.emit(events.CopyUnusable(s, ts.url, str(exc)))
             if step is None and s != candidates[-1]:
                 warnings.warn(f"no valid copy of step {s} on any tier; falling back to an older step", stacklevel=2)
         raise IntegrityError(
@@ -483,6 +488,7 @@ class CheckpointManager:
                     self._await_commit(t0.store, step, mine)
             with self._lock:
                 self._saves_update(step, persist_seconds=time.perf_counter() - start)
+            events.emit(events.CheckpointPersisted(step, t0.url, layout.total_bytes, time.perf_counter() - start, len(self._tiers) > 1))
             handle.persisted.set_result(step)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller through the handle
             if not released:
@@ -603,9 +609,11 @@ class CheckpointManager:
                 with self._lock:
                     self._pending.discard(step)
                 done.append(step)
+                events.emit(events.CheckpointPromoted(step, self._tiers[0].url))
             except BaseException as exc:  # noqa: BLE001 - a retry comes with the next save
                 last_exc = exc
                 self._add_pending(step)
+                events.emit(events.PromotionFailed(step, self._tiers[0].url, str(exc), isinstance(exc, (IntegrityError, FormatError))))
                 msg = f"promotion of step {step} failed ({exc}); the faster copy stays and promotion will be retried"
                 log.warning("%s", msg)
                 if not strict:
@@ -743,6 +751,7 @@ class CheckpointManager:
             ts.bytes += nbytes
             ts.seconds += seconds
             ts.files += 1
+        events.emit(events.TierWritten(ts.url, nbytes, seconds))
 
     def _saves_update(self, step: int, **kw: Any) -> None:
         for s in reversed(self._saves):

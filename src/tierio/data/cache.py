@@ -52,7 +52,7 @@ class ShardCache:
         self.limit = int(limit)
         if self.limit <= 0:
             raise ConfigError(f"cache_limit must be positive, got {limit}")
-        self.node = NodeCache(cache_dir, CacheOptions(limit=self.limit, wait_timeout=wait_timeout))
+        self.node = NodeCache(cache_dir, CacheOptions(limit=self.limit, wait_timeout=wait_timeout, name="shards"))
         self.dir = self.node.root
         self.downloaded_bytes = 0
         self.hits = 0

@@ -17,6 +17,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
+from tierio import events
 from tierio.errors import ConfigError
 
 
@@ -212,7 +213,7 @@ class StatefulLoader:
                 self._loader = build_loader(self.dataset, self.batch_size, collate_fn=self._collate,
                                             settings=self._settings, **self._overrides)
         self._in_epoch = True
-        for batch in self._loader:
+        for batch in events.timed(self._loader, "StatefulLoader"):
             self.position += _batch_len(batch)
             yield batch
         self._in_epoch = False

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from tierio import events
 from tierio.errors import ConfigError, DiskFullError, FormatError, NotFoundError, StorageError, TierioError
 from tierio.io.files import os_error
 from tierio.io.paths import key_parts, open_beneath, open_dir_beneath
@@ -191,6 +192,7 @@ class CacheOptions:
     limit: int  # bytes of entries, fills in flight included
     wait_timeout: float = 60.0  # seconds a fill waits while every evictable entry is pinned
     index_limit: int | None = None  # bytes of cached indexes; None: limit // 16, at least 16 MiB
+    name: str = "cache"  # what the cache holds ("shards", "weights"), as reported to tierio.events
 
     @property
     def indexes(self) -> int:
@@ -285,6 +287,7 @@ class NodeCache:
         for _ in range(_ATTEMPTS):
             pin = self._pin_if_usable(name, kind, usable)
             if pin is not None:
+                events.emit(events.CacheLookup(self.options.name, True))
                 return pin
             fd = self._entry_lock(name, fcntl.LOCK_EX)
             assert fd is not None
@@ -301,6 +304,7 @@ class NodeCache:
             if os.fstat(fd).st_nlink and self._present(name, kind):
                 if hit:
                     self._touch(name)
+                events.emit(events.CacheLookup(self.options.name, hit))
                 return Pin(name, self.entry_path(name), fd, hit)
             release_fd(fd)
         raise StorageError(f"{key} keeps being evicted from the cache at {self.root} before it can be used; "
@@ -581,6 +585,7 @@ class NodeCache:
             for e, _ in held:
                 self._drop(e.name)
                 log.debug("evicted %s (%d bytes) from the cache at %s", e.name, e.bytes, self.root)
+                events.emit(events.CacheEviction(self.options.name, e.bytes))
             return True
         finally:
             for _, fd in held:
