@@ -93,7 +93,10 @@ def build_loader(dataset: Any, batch_size: int, *, collate_fn: Callable | None =
     """A ``torch.utils.data.DataLoader`` with the production settings (``overrides`` win).
 
     For a TokenWindowDataset with workers the loader is wrapped so that workers fill a shared
-    BatchRing in place (``ring=False`` turns that off); iteration yields the same batches.
+    BatchRing in place (``ring=False`` turns that off); iteration yields the same batches. A
+    StreamingDataset without a per-sample ``transform`` or ``collate_fn`` hands the DataLoader
+    whole batches taken from its shards (``StreamingDataset.iter_batches``): no per-sample
+    collation, the same batches.
     """
     import torch
     from torch.utils.data import DataLoader, IterableDataset
@@ -117,7 +120,12 @@ def build_loader(dataset: Any, batch_size: int, *, collate_fn: Callable | None =
             )
     elif shuffle:
         kw["generator"] = torch.Generator().manual_seed(seed)
+    from tierio.data.streaming import StreamingDataset
     from tierio.data.window import TokenWindowDataset, collate_windows
+
+    if isinstance(dataset, StreamingDataset) and collate_fn is None and dataset.transform is None:
+        drop_last = bool(kw.pop("drop_last", False))  # the dataset drops a short batch: the loader gets whole ones
+        return DataLoader(dataset.batched(drop_last), batch_size=None, **kw)
 
     windows = isinstance(dataset, TokenWindowDataset)
     if collate_fn is None and windows:
@@ -166,6 +174,9 @@ def _batch_len(batch: Any) -> int:
         for v in batch.values():
             if hasattr(v, "shape") and len(v.shape) > 0:
                 return int(v.shape[0])
+        for v in batch.values():
+            if isinstance(v, (list, tuple)):  # a variable-size field: one array per sample
+                return len(v)
     if isinstance(batch, (list, tuple)) and batch:
         first = batch[0]
         if hasattr(first, "shape") and len(first.shape) > 0:
