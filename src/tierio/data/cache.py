@@ -94,8 +94,9 @@ class ShardCache:
         where = f"shard {info.key} of {self.store.url}"
 
         def plan() -> FillPlan:
-            if info.windows:  # verified window by window as it arrives
-                return FillPlan(info.size, lambda target: self._download_windows(info, target, where), where)
+            if info.windows:  # verified window by window as it arrives, flushed to the disk behind the reader
+                return FillPlan(info.size, lambda target: self._download_windows(info, target, where), where,
+                                durable=False)
             return FillPlan(info.size, lambda target: self._download(info, target, where), where,
                             verify=lambda target: verify_file(target, info.xxh3, info.size, where))
 
@@ -122,8 +123,8 @@ class ShardCache:
 
     def _download_windows(self, info: ShardInfo, target: Path, where: str) -> None:
         """Ranged reads of ``info.window`` bytes, each checked against its xxh3 and written at its
-        offset (buffered: the pages stay cached for the reader that maps the shard next), then
-        fdatasync before the cache commits the entry."""
+        offset, buffered: the pages stay in the page cache for the reader that maps the shard next,
+        and the cache flushes them to the disk after the commit, off the reader's path."""
         try:
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         except OSError as exc:
@@ -146,10 +147,6 @@ class ShardCache:
         try:
             with self._store_errors(where):
                 read_range(0, info.size, Windowing(info.window, WINDOWS_IN_FLIGHT, grid=info.window), window)
-                try:
-                    os.fdatasync(fd)
-                except OSError as exc:
-                    raise os_error(exc, target, "writing") from exc
         finally:
             os.close(fd)
 

@@ -424,18 +424,26 @@ class ColumnShard:
     def __len__(self) -> int:
         return self.layout.samples
 
-    def take(self, ids: np.ndarray, copy: bool = True) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+    def take(self, ids: np.ndarray, copy: bool = True, out: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+        """The samples ``ids``; fixed-size fields named in ``out`` are gathered into those arrays."""
+        got: dict[str, Any] = {}
         run = _run(ids)
         for name, arr in self.fixed.items():
-            if run is not None:
+            into = out.get(name) if out is not None else None
+            if into is not None:
+                if run is not None:
+                    np.copyto(into, arr[run[0] : run[1]])
+                else:
+                    np.take(arr, ids, axis=0, out=into)
+                got[name] = into
+            elif run is not None:
                 v = arr[run[0] : run[1]]
-                out[name] = v.copy() if copy else v
+                got[name] = v.copy() if copy else v
             else:
-                out[name] = np.take(arr, ids, axis=0)
+                got[name] = np.take(arr, ids, axis=0)
         for name, (values, offs) in self.ragged.items():
-            out[name] = _ragged_take(values, offs, ids, copy)
-        return out
+            got[name] = _ragged_take(values, offs, ids, copy)
+        return got
 
     def sample(self, i: int) -> dict[str, np.ndarray]:
         """One sample as views (no copy)."""

@@ -17,6 +17,8 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
+import numpy as np
+
 from tierio.errors import ConfigError
 
 
@@ -125,7 +127,7 @@ def build_loader(dataset: Any, batch_size: int, *, collate_fn: Callable | None =
 
     if isinstance(dataset, StreamingDataset) and collate_fn is None and dataset.transform is None:
         drop_last = bool(kw.pop("drop_last", False))  # the dataset drops a short batch: the loader gets whole ones
-        return DataLoader(dataset.batched(drop_last), batch_size=None, **kw)
+        return StreamLoader(dataset.batched(drop_last), kw)
 
     windows = isinstance(dataset, TokenWindowDataset)
     if collate_fn is None and windows:
@@ -140,6 +142,70 @@ def build_loader(dataset: Any, batch_size: int, *, collate_fn: Callable | None =
         dataset.use_ring(br)
         return RingLoader(loader, br, pin=bool(kw.get("pin_memory")))
     return loader
+
+
+class StreamLoader:
+    """Whole batches of a StreamingDataset as tensors (what ``build_loader`` gives for one).
+
+    Without workers the batches come straight from the dataset in this process: a DataLoader in
+    between would only add its per-batch bookkeeping. With workers it is a DataLoader over the
+    batches (``batch_size=None``) whose workers write the fixed-size fields into a FieldRing."""
+
+    def __init__(self, stream: Any, loader_kwargs: dict[str, Any]) -> None:
+        from torch.utils.data import DataLoader
+
+        from tierio.data.ring import FieldRing
+
+        self.stream = stream
+        self.pin = bool(loader_kwargs.get("pin_memory"))
+        workers = int(loader_kwargs.get("num_workers", 0))
+        self.ring: FieldRing | None = None
+        self.loader = None
+        if workers > 0:
+            fields = stream.ring_fields()
+            if fields:
+                slots = int(loader_kwargs.get("prefetch_factor") or 2) + 2  # in flight + the one in use + a spare
+                self.ring = FieldRing(workers, slots, fields, stream.batch_size)
+            stream.use_ring(self.ring)
+            self.loader = DataLoader(stream, batch_size=None, **loader_kwargs)
+
+    @property
+    def persistent_workers(self) -> bool:
+        return bool(getattr(self.loader, "persistent_workers", False))
+
+    @property
+    def _iterator(self) -> Any:
+        return getattr(self.loader, "_iterator", None)
+
+    def __iter__(self):
+        from tierio.data.ring import RingBatch
+
+        if self.loader is None:
+            for batch in self.stream:
+                yield _as_tensors(batch, self.pin)
+            return
+        for batch in self.loader:
+            if isinstance(batch, RingBatch):
+                batch = self.ring.materialize(batch)  # type: ignore[union-attr]
+                if self.pin:
+                    batch = _as_tensors(batch, True)  # the pinned copies free the slot at once
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.stream)
+
+
+def _as_tensors(batch: dict[str, Any], pin: bool) -> dict[str, Any]:
+    import torch
+
+    def one(v: Any) -> Any:
+        if isinstance(v, np.ndarray):
+            v = torch.from_numpy(v)
+        elif isinstance(v, list):
+            return [one(x) for x in v]
+        return v.pin_memory() if pin and isinstance(v, torch.Tensor) else v
+
+    return {k: one(v) for k, v in batch.items()}
 
 
 class RingLoader:

@@ -32,7 +32,7 @@ class Shard(Protocol):
 
     def __len__(self) -> int: ...
 
-    def take(self, ids: np.ndarray, copy: bool = True) -> dict[str, Any]: ...
+    def take(self, ids: np.ndarray, copy: bool = True, out: dict[str, np.ndarray] | None = None) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
 
@@ -52,8 +52,8 @@ class MappedColumnShard:
     def __len__(self) -> int:
         return len(self.columns)
 
-    def take(self, ids: np.ndarray, copy: bool = True) -> dict[str, Any]:
-        return self.columns.take(ids, copy)
+    def take(self, ids: np.ndarray, copy: bool = True, out: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+        return self.columns.take(ids, copy, out)
 
     def close(self) -> None:
         # the mapping goes with the last view of it: batches handed out may still use it
@@ -242,20 +242,20 @@ class ShardReader:
         for done in [k for k in self._open if k not in needed]:
             self._open.pop(done).close()
 
-    def take(self, shards: np.ndarray, local: np.ndarray, copy: bool) -> dict[str, Any]:
-        """The batch of samples ``local[k]`` of shard ``shards[k]``, in that order."""
+    def take(self, shards: np.ndarray, local: np.ndarray, copy: bool,
+             out: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+        """The batch of samples ``local[k]`` of shard ``shards[k]``, in that order; fixed-size fields
+        named in ``out`` are written into those arrays."""
         first = int(shards[0])
         if int(shards[-1]) == first and bool((shards == first).all()):
-            return self.shard(first).take(local, copy)
-        out: dict[str, Any] = {}
+            return self.shard(first).take(local, copy, out)
         parts = []
         for s in dict.fromkeys(shards.tolist()):  # shards in order of first use
             where = np.flatnonzero(shards == s)
             parts.append((where, self.shard(s).take(local[where], copy)))
-        for name in parts[0][1]:
-            pieces = [(where, got[name]) for where, got in parts]
-            out[name] = _merge(pieces, len(shards))
-        return out
+        return {name: _merge([(where, got[name]) for where, got in parts], len(shards),
+                             None if out is None else out.get(name))
+                for name in parts[0][1]}
 
     def close(self) -> None:
         for sf in self._open.values():
@@ -267,11 +267,11 @@ class ShardReader:
         self._pending.clear()
 
 
-def _merge(pieces: list[tuple[np.ndarray, Any]], n: int) -> Any:
+def _merge(pieces: list[tuple[np.ndarray, Any]], n: int, into: np.ndarray | None = None) -> Any:
     """One field of a batch from its parts: (positions in the batch, values there)."""
     arrays = [v for _, v in pieces]
     if all(isinstance(v, np.ndarray) for v in arrays) and len({(v.dtype, v.shape[1:]) for v in arrays}) == 1:
-        out = np.empty((n, *arrays[0].shape[1:]), arrays[0].dtype)
+        out = into if into is not None else np.empty((n, *arrays[0].shape[1:]), arrays[0].dtype)
         for where, v in pieces:
             out[where] = v
         return out

@@ -35,6 +35,7 @@ import numpy as np
 
 from tierio.data.cache import ShardCache
 from tierio.data.reader import ReaderBudget, ReaderOptions, ShardReader
+from tierio.data.ring import FieldRing, RingBatch
 from tierio.data.shards import Manifest, load_manifest
 from tierio.dist import rank_world
 from tierio.errors import ConfigError, FormatError
@@ -368,27 +369,56 @@ class BatchStream(_Base):  # type: ignore[misc,valid-type]
     """A StreamingDataset's whole batches as an iterable dataset (``StreamingDataset.batched``).
 
     ``drop_last`` drops a short last batch of an epoch (a DataLoader cannot, once it is handed
-    whole batches)."""
+    whole batches). With a FieldRing (``use_ring``, before DataLoader workers start) a worker
+    gathers the fixed-size fields of each batch straight into its next free slot of shared
+    memory and sends only a ``RingBatch``; the loader turns that into tensors over the slot."""
 
     def __init__(self, dataset: StreamingDataset, drop_last: bool = False) -> None:
         self.dataset = dataset
         self.drop_last = drop_last
         self.batch_size = dataset.batch_size
+        self.ring: FieldRing | None = None
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        B = self.batch_size
-        for batch in self.dataset.iter_batches():
-            if self.drop_last and _rows(batch) < B:
+    def ring_fields(self) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+        """The fixed-size fields of the dataset: what a FieldRing slot can hold."""
+        return [(t.name, t.dtype, t.shape) for t in self.dataset.manifest.types if not t.variable]
+
+    def use_ring(self, ring: FieldRing | None) -> None:
+        self.ring = ring
+
+    def __iter__(self) -> Iterator[Any]:
+        ds = self.dataset
+        ring = self.ring
+        worker = _worker_id() if ring is not None else None
+        for at, shards, local in ds._my_batches():
+            n = len(local)
+            if self.drop_last and n < self.batch_size:
                 return
-            yield batch
+            ds._cur_pos = at + n
+            slot = ring.acquire(worker) if ring is not None and worker is not None else None
+            if slot is None:
+                yield ds._reader.take(shards, local, ds.copy)
+                continue
+            try:
+                views = ring.views(slot, n)  # type: ignore[union-attr]
+                got = ds._reader.take(shards, local, True, out=views)
+            except BaseException:
+                ring.release(slot)  # type: ignore[union-attr]
+                raise
+            yield RingBatch(slot, n, {k: v for k, v in got.items() if k not in views})
 
     def __len__(self) -> int:
         n = len(self.dataset)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
 
-def _rows(batch: dict[str, Any]) -> int:
-    return len(next(iter(batch.values()))) if batch else 0
+def _worker_id() -> int | None:
+    try:
+        from torch.utils.data import get_worker_info
+    except ImportError:  # pragma: no cover
+        return None
+    info = get_worker_info()
+    return None if info is None else info.id
 
 
 def packed_transform(seq_len: int, pad_id: int = 0) -> Callable[[dict[str, np.ndarray]], dict[str, Any]]:

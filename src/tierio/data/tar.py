@@ -212,8 +212,9 @@ class ShardFile:
         row = self.index[i]
         return {f: decode_npy(self._mm, int(row[2 * j]), int(row[2 * j + 1])) for j, f in enumerate(self.fields)}
 
-    def take(self, ids: np.ndarray, copy: bool = True) -> dict[str, Any]:
-        """A batch of samples: fields of one shape stacked (one copy), others as lists."""
+    def take(self, ids: np.ndarray, copy: bool = True, out: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+        """A batch of samples: fields of one shape stacked (one copy), others as lists (``out`` is
+        not used: tar shards carry no field types to size it by)."""
         rows = [self.sample(int(i)) for i in ids]
         out: dict[str, Any] = {}
         for f in self.fields:
