@@ -21,6 +21,7 @@ import math
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -177,6 +178,7 @@ class FieldRing(_Slots):
         return out
 
 
+@lru_cache(maxsize=64)
 def _torch_dtype(dt: np.dtype) -> Any:
     import torch
 
