@@ -185,10 +185,8 @@ class StreamLoader:
                 yield _as_tensors(batch, self.pin)
             return
         for batch in self.loader:
-            if isinstance(batch, RingBatch):
-                batch = self.ring.materialize(batch)  # type: ignore[union-attr]
-                if self.pin:
-                    batch = _as_tensors(batch, True)  # the pinned copies free the slot at once
+            if isinstance(batch, RingBatch):  # pinned copies free the slot at once
+                batch = _as_tensors(self.ring.materialize(batch), self.pin)  # type: ignore[union-attr]
             yield batch
 
     def __len__(self) -> int:

@@ -46,8 +46,11 @@ FIELD_NAME = re.compile(r"[^./\x00]{1,255}")  # a field name is part of a tar me
 
 
 def encode_npy(arr: np.ndarray) -> bytes:
+    a = np.asarray(arr)
+    if not a.flags.c_contiguous:  # not np.ascontiguousarray: that turns a 0-d array into a 1-d one
+        a = a.copy(order="C")
     buf = io.BytesIO()
-    np.lib.format.write_array(buf, np.ascontiguousarray(arr), allow_pickle=False)
+    np.lib.format.write_array(buf, a, allow_pickle=False)
     return buf.getvalue()
 
 
