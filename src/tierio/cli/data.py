@@ -1,4 +1,4 @@
-"""`tierio data`: build, inspect, merge and pack Megatron-compatible token datasets."""
+"""`tierio data`: build, inspect, merge and pack token datasets; export shard datasets."""
 
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ examples:
   tierio data merge all part1 part2 part3               concatenate datasets (same dtype)
   tierio data pack corpus --seq-len 4096                plan best-fit-decreasing packs -> corpus.pack4096.npz
   tierio data pack corpus --seq-len 4096 --shards s3://bucket/packed?endpoint=http://127.0.0.1:8333
-                                                        ... and write the packs as 64 MiB tar shards
+                                                        ... and write the packs as 64 MiB shards
+  tierio data export s3://bucket/packed?endpoint=http://127.0.0.1:8333 /data/packed-wds --webdataset
+                                                        a shard dataset as WebDataset tar shards
 
 A dataset is named by its prefix: `corpus` means corpus.bin + corpus.idx (Megatron-LM's format).
 """
@@ -72,10 +74,27 @@ def register(sub) -> None:
     k.add_argument("--window", type=int, default=None, help="documents planned together (default 262144)")
     k.add_argument("--batch-size", type=int, default=None, help="also report the variation of real tokens per step")
     k.add_argument("--plan", help="where to write the plan (default PREFIX.packSEQLEN.npz)")
-    k.add_argument("--shards", metavar="URL", help="write packed samples as tar shards to this store URL")
+    k.add_argument("--shards", metavar="URL", help="write packed samples as shards to this store URL")
     k.add_argument("--shard-size", default="64MiB", help="target shard size (default 64MiB)")
+    k.add_argument("--format", choices=["columns", "tar"], default="columns",
+                   help="shard container: columns (compact, default) or tar (the WebDataset layout)")
     k.add_argument("--json", action="store_true", help="print JSON")
     k.set_defaults(handler=_pack)
+
+    x = ds.add_parser("export", help="copy a shard dataset into another container (e.g. WebDataset tar shards)",
+                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    x.add_argument("source", help="store URL or path of the dataset (its index.json)")
+    x.add_argument("dest", help="store URL or path to write the copy to")
+    fmt = x.add_mutually_exclusive_group()
+    fmt.add_argument("--webdataset", dest="format", action="store_const", const="tar",
+                     help="plain tar shards of .npy members that webdataset and any tar tool read (default)")
+    fmt.add_argument("--columns", dest="format", action="store_const", const="columns",
+                     help="tierio's compact container")
+    x.set_defaults(format="tar")
+    x.add_argument("--shard-size", default="64MiB", help="target shard size (default 64MiB)")
+    x.add_argument("--cache-dir", help="local directory for the source's shards (default: a temporary one)")
+    x.add_argument("--json", action="store_true", help="print JSON")
+    x.set_defaults(handler=_export)
 
 
 def _show(title: str, d: dict, as_json: bool) -> None:
@@ -162,8 +181,19 @@ def _pack(args) -> int:
 
         t1 = time.perf_counter()
         packed = PackedDataset(ds, plan, check_source=False)  # the plan was just made from ds
-        man = write_packed_shards(packed, args.shards, shard_size=args.shard_size)
+        man = write_packed_shards(packed, args.shards, shard_size=args.shard_size, format=args.format)
         result.update({"shards_url": args.shards, "shards": len(man.shards), "shard_bytes": man.total_bytes,
                        "shard_seconds": round(time.perf_counter() - t1, 3)})
     _show(f"packed {ds.prefix} into {args.seq_len}-token sequences", result, args.json)
+    return 0
+
+
+def _export(args) -> int:
+    from tierio.data.export import export_dataset
+
+    t0 = time.perf_counter()
+    man = export_dataset(args.source, args.dest, format=args.format, shard_size=args.shard_size, cache_dir=args.cache_dir)
+    _show(f"exported {args.source}", {"dest": args.dest, "format": args.format, "samples": man.num_samples,
+                                      "shards": len(man.shards), "shard_bytes": man.total_bytes,
+                                      "seconds": round(time.perf_counter() - t0, 3)}, args.json)
     return 0
