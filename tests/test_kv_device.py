@@ -220,3 +220,10 @@ def test_a_device_write_down_that_fails_keeps_the_device_copy_and_the_bookkeepin
         assert c.flush() == 3
         assert read_back(c, keys)[0] == 3
         assert_clean(c)
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks the machine without CUDA")
+def test_the_benchmark_names_why_it_skips_the_device_tier():
+    from tierio.bench.kv import device_unavailable
+
+    assert device_unavailable() == "CUDA is not available: there is no device tier to measure"
