@@ -227,3 +227,28 @@ def test_the_benchmark_names_why_it_skips_the_device_tier():
     from tierio.bench.kv import device_unavailable
 
     assert device_unavailable() == "CUDA is not available: there is no device tier to measure"
+
+
+def test_a_prefix_cache_with_a_device_tier_generates_the_same_tokens(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from tierio.kv.hf import PrefixCache, greedy_generate, layout_for
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024)).eval()
+    block = layout_for(model, 16).block_bytes
+    ids = torch.randint(0, 500, (1, 100), generator=torch.Generator().manual_seed(1))
+    cfg = KVConfig(dram_bytes=4 * block, device_bytes=3 * block, device="cpu", nvme_dir=tmp_path,
+                   nvme_bytes=1 << 20, slab_bytes=64 << 10, admit_uses=1)
+    reference = greedy_generate(model, ids, 12).tokens
+    with PrefixCache.open(model, cfg, block_tokens=16) as pc:
+        cold, warm = pc.generate(ids, 12), pc.generate(ids, 12)
+        assert (cold.cached_tokens, warm.cached_tokens) == (0, 96)
+        assert cold.tokens == warm.tokens == reference
+        c = pc.kv.stats().counters
+        assert c.demoted > 0 and c.served == 6
+    with PrefixCache.open(model, cfg, block_tokens=16) as pc:  # restarted: the blocks come back from NVMe
+        again = pc.generate(ids, 12)
+        assert again.cached_tokens == 96 and again.tokens == reference
+        assert pc.kv.stats().counters.served_nvme == 6

@@ -75,7 +75,7 @@ class DeviceTier(SlotPool):
                 self._stream.wait_event(after)
             yield
             done = self._stream.record_event()
-        done.synchronize()  # only this copy's work: other threads' copies on the stream are not waited for
+        done.synchronize()  # the stream's work up to this copy: copies other threads queue later are not waited for
 
     def close(self) -> None:
         """Give the pool's memory back (to torch's caching allocator, where the engine can reuse it)."""
