@@ -465,7 +465,8 @@ class KVCache:
             c.served_dram += tiers.count(Tier.DRAM)
             c.served_nvme += tiers.count(Tier.NVME)
             c.served_shared += tiers.count(Tier.SHARED)
-        events.emit(events.KvGet(len(keys), tiers.count(Tier.DRAM), tiers.count(Tier.NVME), tiers.count(Tier.SHARED)))
+        events.emit(events.KvGet(len(keys), tiers.count(Tier.DRAM), tiers.count(Tier.NVME), tiers.count(Tier.SHARED),
+                                 tiers.count(Tier.DEVICE)))
         return GetResult(prefix, tiers, len(keys) - prefix)
 
     def _copy_runs(self, held: dict[int, Copy], flat: np.ndarray) -> None:
