@@ -49,8 +49,8 @@ from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Store
 from tierio.units import human_bytes, parse_size
 
-from tierio.ckpt.commit import Waiting, drop_record, write_record
-from tierio.ckpt.copy import CopyStats, copy_pool
+from tierio.ckpt.commit import CommitPlan, Waiting, await_commit, build_manifest, commit, drop_record, write_record
+from tierio.ckpt.copy import CopyStats, copy_pool, copy_shard
 from tierio.ckpt.gc import TEMP_GRACE, GcOptions, GcTier, collect
 from tierio.ckpt.lease import TierLeases
 from tierio.ckpt.lineage import Lineage, Rollback
@@ -101,9 +101,8 @@ class SaveHandle:
 
 @dataclass
 class _Staged:
-    """A staged save on its way to the persist thread."""
+    """A staged shard on its way to tier 0."""
 
-    handle: SaveHandle
     layout: ShardLayout
     tree: Any
     places: dict[str, Placement]
@@ -142,7 +141,7 @@ class CheckpointManager:
         self.rank, self.world_size = rank_world(rank, world_size, process_group)
         from_group = rank is None or world_size is None
         job = agree_job(opts.run_id, self.rank, self.world_size, process_group, from_group, opts.node,
-                        any(t.node_local for t in specs))
+                        any(t.node_local for t in specs), opts.ranks_per_node)
         self._group = group_joined(process_group, from_group) if self.world_size > 1 else None
         self._leases = TierLeases(job.run_id, self.rank, self.world_size, force=opts.break_lease,
                                   wait_timeout=opts.commit_timeout)
@@ -195,6 +194,22 @@ class CheckpointManager:
     def save(self, step: int, state: Any) -> SaveHandle:
         """Snapshot ``state`` into staging memory and return; persist and promotion run behind."""
         t0 = time.perf_counter()
+        rollback = self._begin(step)
+        flat = flatten(state)
+        tensors, places = _to_write(flat)
+        handle = SaveHandle(step)
+        job = self._staged(step, tensors, places, flat.tree, rollback, handle)
+        handle.blocking_seconds = time.perf_counter() - t0
+        handle.staged.set_result(step)
+        with self._lock:
+            self._handles.append(handle)
+            self._saves.append({"step": step, "bytes": handle.bytes, "blocking_seconds": handle.blocking_seconds,
+                                "wait_seconds": handle.wait_seconds})
+        self._persist_pool.submit(self._persist, handle, job)
+        return handle
+
+    def _begin(self, step: int) -> Rollback | None:
+        """The checks before any save of ``step``; the rollback it carries out, if any."""
         self._check_open()
         self._raise_background_error()
         step_dir(step)  # validates the number
@@ -214,17 +229,19 @@ class CheckpointManager:
                 f"step {step} already has a committed checkpoint on {first.url}; checkpoints are immutable: "
                 "use a new step number or delete the old one first"
             )
-        flat = flatten(state)
-        tensors, places = _to_write(flat)
+        return rollback
+
+    def _staged(self, step: int, tensors: dict[str, torch.Tensor], places: dict[str, Placement], tree: Any,
+                rollback: Rollback | None, handle: SaveHandle) -> _Staged:
+        """Lay out the shard and copy it into a staging buffer (the part a save blocks for)."""
         meta = {"tierio.step": str(step), "tierio.rank": str(self.rank), "tierio.world_size": str(self.world_size)}
         layout = plan_shard(tensors, meta)
-        need = layout.total_bytes
+        need = handle.bytes = layout.total_bytes
         if self.memory_budget is not None and align_up(need) > self.memory_budget:
             raise ConfigError(
                 f"rank {self.rank}'s shard for step {step} needs {human_bytes(need)} of staging memory, above "
                 f"memory_budget={human_bytes(self.memory_budget)}; raise the budget"
             )
-        handle = SaveHandle(step, bytes=need)
         tw = time.perf_counter()
         # Waits while the previous persist still owns the buffers; a background failure ends the wait.
         buf = self._staging.acquire(need, abort=self._raise_background_error)
@@ -240,17 +257,86 @@ class CheckpointManager:
                 self._inflight.discard(step)
             self._staging.release(buf)
             raise
-        handle.blocking_seconds = time.perf_counter() - t0
-        handle.staged.set_result(step)
         with self._lock:
             if rollback is not None:
                 rollback.first = step if rollback.first is None else rollback.first
                 self._saved_since_restore.add(step)
+        return _Staged(layout, tree, places, buf, rollback)
+
+    # -- torch.distributed.checkpoint (ckpt.dcp) -------------------------------------------------
+    def write_now(self, step: int, tensors: dict[str, torch.Tensor], places: dict[str, Placement]) -> Own:
+        """Write this rank's shard and record of ``step`` now, in this thread, and when tier 0 is
+        node-local copy them to the first shared tier too (``ckpt.dcp``'s write_data). ``places``
+        places the global tensors' slices; the step is committed by ``commit_now``."""
+        rollback = self._begin(step)
+        handle = SaveHandle(step)
+        job = self._staged(step, tensors, places, None, rollback, handle)
+        own: Own | None = None
+        try:
+            own, lineage = self._write(step, job, True)
+            if self._tiers[0].node_local:
+                shared = self._commit_tier()
+                self._cluster.ensure(shared)
+                self._account(shared, copy_shard(self._tiers[0].store, shared.store, step, own.entry, self._cluster.pool,
+                                                 self._cluster.limiter))
+                write_record(shared.store, step, self.world_size, own.entry, lineage.token)
+        except BaseException:
+            self._cleanup_failed(step, own)
+            with self._lock:
+                self._inflight.discard(step)
+            raise
+        return own
+
+    def commit_now(self, step: int, parts: dict[int, Own], tree: Any) -> None:
+        """Commit ``step`` from every rank's part, with one job-wide state ``tree`` (``ckpt.dcp``'s
+        finish, on the coordinator)."""
+        store = self._commit_tier().store
+        with self._lock:
+            rollback = self._rollback
+        lineage = Lineage(self._run(), rollback.after if rollback is not None else None)
+        plan = CommitPlan(step, self.world_size, {r: p.record for r, p in parts.items() if p.record is not None},
+                          {r: p.entry.bytes for r, p in parts.items()}, lineage.extra(),
+                          {r: p.entry for r, p in parts.items()}, tree, self.options.inline_records)
+        commit(store, build_manifest(store, plan), [p.record.name for p in parts.values() if p.record is not None])
+
+    def track(self, step: int, own: Own) -> SaveHandle:
+        """After ``write_now``: wait for the commit of ``step`` and promote this rank's part of it,
+        in the background, like a save's."""
+        handle = SaveHandle(step, bytes=own.entry.bytes)
+        handle.staged.set_result(step)
+        handle.persisted.set_result(step)
+        with self._lock:
             self._handles.append(handle)
-            self._saves.append({"step": step, "bytes": need, "blocking_seconds": handle.blocking_seconds,
-                                "wait_seconds": handle.wait_seconds})
-        self._persist_pool.submit(self._persist, _Staged(handle, layout, flat.tree, places, buf, rollback))
+
+        def run() -> None:
+            try:
+                await_commit(self._commit_tier().store, step, own.entry, own.record, self._cluster.wait)
+                handle.committed.set_result(step)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller through the handle
+                with self._lock:
+                    self._inflight.discard(step)
+                handle.fail(exc)
+                return
+            if len(self._tiers) > 1:
+                self._promote_steps([step], handle, False)
+            else:
+                with self._lock:
+                    self._inflight.discard(step)
+                self._maybe_gc()
+                handle.promoted.set_result(step)
+        self._promote_pool.submit(run)
         return handle
+
+    def sources(self, first: str | None = None) -> list[Source]:
+        """The tiers a restore reads files from: this node's local tiers, then the shared tier
+        ``first`` (a url; the one whose manifest is used), then the other shared tiers, fastest first."""
+        shared = [t for t in self._tiers if not t.node_local]
+        shared.sort(key=lambda t: t.url != first)  # stable: otherwise fastest first
+        return [Source(t.store, True) for t in self._tiers if t.node_local] + [Source(t.store) for t in shared]
+
+    def _commit_tier(self) -> TierState:
+        """Where a step is committed: tier 0, or the first shared tier after node-local ones."""
+        return next(ts for ts in self._tiers if not ts.node_local)
 
     def restore(self, step: int | None = None, into: Any = None, *, per_rank: str = "strict") -> Any:
         """Restore ``step`` (default: the newest step every rank can restore) from the fastest tiers
@@ -433,9 +519,7 @@ class CheckpointManager:
         for ts in self._tiers:
             if ts.node_local or not ts.store.exists(manifest_key(step)):
                 continue
-            # This node's copies first, then the tier whose manifest this is, then the other tiers.
-            order = [t for t in self._tiers if t.node_local] + [ts] + [t for t in self._tiers if not t.node_local and t is not ts]
-            sources = [Source(t.store, t.node_local) for t in order]
+            sources = self.sources(ts.url)
             try:
                 man = read_manifest(ts.store, step)
                 if man.world_size != self.world_size:
@@ -514,45 +598,22 @@ class CheckpointManager:
             ts.warned_capacity = False
 
     # -- background: persist ---------------------------------------------------------------------
-    def _persist(self, job: _Staged) -> None:
-        handle, step = job.handle, job.handle.step
-        t0 = self._tiers[0]
-        released = False
+    def _persist(self, handle: SaveHandle, job: _Staged) -> None:
+        step = handle.step
         own: Own | None = None
         try:
-            self._cluster.ensure(t0)  # other ranks: wait for the leader's lease naming this run
-            if job.rollback is not None:
-                self._retire(job.rollback)
-            view = job.buf.view[: job.layout.total_bytes]
-            fname = shard_name(self.rank)
-            # Checksum the staged bytes while the same bytes stream to disk (both only read the
-            # buffer); the record needs them only once the shard is durable.
-            sums = self._checksum_pool.submit(describe, job.layout, view, fname, job.places)
             start = time.perf_counter()
-            try:
-                t0.store.put_buffers(shard_key(step, self.rank), [view])
-            finally:
-                tensors = sums.result()
-            self._account(t0, CopyStats(job.layout.total_bytes, time.perf_counter() - start, 1))
-            self._staging.release(job.buf)
-            released = True
-            entry = RankEntry(self.rank, fname, job.layout.total_bytes, job.tree, tensors)
-            lineage = Lineage(self._run(), job.rollback.after if job.rollback is not None else None)
-            ref = write_record(t0.store, step, self.world_size, entry, lineage.token) \
-                if self.world_size > 1 or t0.node_local else None
-            own = Own(entry, ref)
-            if t0.node_local:
+            own, lineage = self._write(step, job, self.world_size > 1 or self._tiers[0].node_local)
+            if self._tiers[0].node_local:
                 with self._lock:
                     self._unpublished[step] = (own, lineage)
             else:
-                commit_on(self._cluster, t0.store, step, own, lineage)
+                commit_on(self._cluster, self._tiers[0].store, step, own, lineage)
                 handle.committed.set_result(step)
             with self._lock:
                 self._saves_update(step, persist_seconds=time.perf_counter() - start)
             handle.persisted.set_result(step)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller through the handle
-            if not released:
-                self._staging.release(job.buf)
             self._cleanup_failed(step, own)
             with self._lock:
                 self._inflight.discard(step)
@@ -570,6 +631,32 @@ class CheckpointManager:
             self._maybe_gc()
             handle.promoted.set_result(step)
 
+    def _write(self, step: int, job: _Staged, record: bool) -> tuple[Own, Lineage]:
+        """This rank's part of ``step`` on tier 0: the shard (checksummed while it streams out), then
+        its record (when asked). The staging buffer is released whatever happens."""
+        t0 = self._tiers[0]
+        try:
+            self._cluster.ensure(t0)  # other ranks: wait for the leader's lease naming this run
+            if job.rollback is not None:
+                self._retire(job.rollback)
+            view = job.buf.view[: job.layout.total_bytes]
+            fname = shard_name(self.rank)
+            # Checksum the staged bytes while the same bytes stream to disk (both only read the
+            # buffer); the record needs them only once the shard is durable.
+            sums = self._checksum_pool.submit(describe, job.layout, view, fname, job.places)
+            start = time.perf_counter()
+            try:
+                t0.store.put_buffers(shard_key(step, self.rank), [view])
+            finally:
+                tensors = sums.result()
+            self._account(t0, CopyStats(job.layout.total_bytes, time.perf_counter() - start, 1))
+        finally:
+            self._staging.release(job.buf)
+        entry = RankEntry(self.rank, fname, job.layout.total_bytes, job.tree, tensors)
+        lineage = Lineage(self._run(), job.rollback.after if job.rollback is not None else None)
+        ref = write_record(t0.store, step, self.world_size, entry, lineage.token) if record else None
+        return Own(entry, ref), lineage
+
     def _run(self) -> str:
         run = self._leases.run
         assert run is not None, "the lease check sets the run id before any write"
@@ -580,7 +667,7 @@ class CheckpointManager:
         every shared tier (rank 0 deletes their manifests), and their directories go from tier 0
         (rank 0) or from each node's local tier (its leader). A slower tier that cannot be reached
         now is retired by its next promotion, before anything lands there."""
-        first_shared = next(ts for ts in self._tiers if not ts.node_local)
+        first_shared = self._commit_tier()
         for ts in self._tiers:
             if not self._cluster.leads(ts):
                 continue
@@ -623,7 +710,7 @@ class CheckpointManager:
                     handle.fail(ConfigError(f"step {step} was abandoned by a restore to an earlier step"))
                 continue
             try:
-                self._publish(step, handle)
+                self._publish(step)
                 promote_step(self._cluster, self._tiers, step, rollback, self._account)
                 with self._lock:
                     self._pending.discard(step)
@@ -646,19 +733,20 @@ class CheckpointManager:
         if strict and last_exc is not None:
             raise last_exc
 
-    def _publish(self, step: int, handle: SaveHandle | None) -> None:
+    def _publish(self, step: int) -> None:
         """A step saved on a node-local tier 0 and not yet committed globally: publish it."""
         with self._lock:
             item = self._unpublished.get(step)
         if item is None:
             return
         own, lineage = item
-        shared = next(ts for ts in self._tiers if not ts.node_local)
+        shared = self._commit_tier()
         publish(self._cluster, self._tiers[0], shared, step, own, lineage, self._account)
         with self._lock:
             self._unpublished.pop(step, None)
-        if handle is not None and handle.step == step and not handle.committed.done():
-            handle.committed.set_result(step)
+            waiting = [h for h in self._handles if h.step == step and not h.committed.done()]
+        for h in waiting:  # the save of this step (its own promotion run may have come first)
+            h.committed.set_result(step)
 
     def _find_unpromoted(self) -> None:
         """Steps committed on a faster shared tier that a slower tier still wants (a promotion was

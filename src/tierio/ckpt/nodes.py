@@ -4,8 +4,8 @@ A node's ranks share its node-local tiers; the lowest of them leads: it holds th
 lease and applies retention there. The layout is agreed once, at construction, in the caller's
 thread: with an initialised process group, one ``all_gather_object`` of each rank's node name (the
 ``node`` option, else ``TIERIO_NODE``, else the host name), which also carries rank 0's run id.
-Without a process group: torchrun's ``LOCAL_WORLD_SIZE`` (ranks are placed on nodes in blocks of
-that size), else every rank on one node.
+Without a process group: ranks sit on nodes in blocks of ``ranks_per_node`` (default torchrun's
+``LOCAL_WORLD_SIZE``), else every rank on one node.
 """
 
 from __future__ import annotations
@@ -47,11 +47,16 @@ def node_name(given: str | None) -> str:
     return name
 
 
-def _from_env(rank: int, world_size: int, given: str | None) -> NodeLayout:
-    try:
-        per = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-    except ValueError:
-        per = 0
+def _in_blocks(rank: int, world_size: int, given: str | None, per_node: int | None) -> NodeLayout:
+    if per_node is None:
+        try:
+            per = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+        except ValueError:
+            per = 0
+    else:
+        per = per_node
+        if per < 1 or world_size % per:
+            raise ConfigError(f"ranks_per_node={per_node} must divide the world size {world_size}")
     if 0 < per < world_size and world_size % per == 0:
         first = rank - rank % per
         return NodeLayout(given or f"node{rank // per}", tuple(range(first, first + per)))
@@ -59,7 +64,7 @@ def _from_env(rank: int, world_size: int, given: str | None) -> NodeLayout:
 
 
 def agree_job(run_id: str | None, rank: int, world_size: int, group: Any, from_group: bool,
-              node: str | None, need_nodes: bool) -> Job:
+              node: str | None, need_nodes: bool, per_node: int | None = None) -> Job:
     """The run id (the given one, or rank 0's) and this rank's node layout, in at most one
     collective over the process group the ranks came from (in the caller's thread)."""
     if run_id is not None:
@@ -71,7 +76,8 @@ def agree_job(run_id: str | None, rank: int, world_size: int, group: Any, from_g
 
         joined = dist.is_available() and dist.is_initialized()
     if not joined:
-        return Job(mine, _from_env(rank, world_size, node) if need_nodes else NodeLayout(node_name(node), tuple(range(world_size))))
+        layout = _in_blocks(rank, world_size, node, per_node) if need_nodes else NodeLayout(node_name(node), tuple(range(world_size)))
+        return Job(mine, layout)
     import torch.distributed as dist
 
     gathered: list[Any] = [None] * world_size

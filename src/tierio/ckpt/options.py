@@ -19,9 +19,11 @@ class CheckpointOptions:
     writes to slower tiers (bytes/s or text); ``min_keep``: checkpoints retention always leaves;
     ``commit_timeout``: seconds a commit waits for every rank's shard; ``run_id``: this run's name in
     leases and manifests (default: a fresh one, agreed across ranks); ``break_lease``: take over a
-    tier another run still leases; ``node``: this rank's node, for node-scoped tiers (default:
-    from the job: the host name, or LOCAL_WORLD_SIZE under torchrun); ``inline_records``: rank
-    records up to this many bytes together are merged into the manifest, larger ones are referenced."""
+    tier another run still leases; ``node``: this rank's node, for node-local tiers (default: the
+    host name; with a process group, ranks naming the same node share it); ``ranks_per_node``:
+    without a process group, ranks sit on nodes in blocks of this many (default: torchrun's
+    LOCAL_WORLD_SIZE, else one node); ``inline_records``: rank records up to this many bytes
+    together are merged into the manifest, larger ones are referenced."""
 
     memory_budget: int | str | None = None
     double_buffer: bool = False
@@ -31,6 +33,7 @@ class CheckpointOptions:
     run_id: str | None = None
     break_lease: bool = False
     node: str | None = None
+    ranks_per_node: int | None = None
     inline_records: int = INLINE_RECORD_BYTES
 
     def with_overrides(self, overrides: dict[str, Any]) -> CheckpointOptions:
