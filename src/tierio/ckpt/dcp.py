@@ -49,13 +49,13 @@ from tierio.format.slices import Box
 from tierio.format.statetree import flatten, unflatten
 from tierio.io.untrusted import parsing
 from tierio.storage.base import Store
-from tierio.storage.url import open_store
 
 from tierio.ckpt.manager import CheckpointManager
 from tierio.ckpt.promotion import Own
 from tierio.ckpt.reader import committed_steps, read_manifest
 from tierio.ckpt.reshard import Piece, Stored, Target, global_tensors, own_tensors
 from tierio.ckpt.restore import Loaded, Source, own_rank, read_all
+from tierio.ckpt.tier import Tier, as_tier, open_tier_store
 
 _STEP_ID = re.compile(r"(?:step_)?(\d{1,9})")
 
@@ -90,7 +90,10 @@ def _json_leaf(planner: SavePlanner, index: MetadataIndex) -> Any:
     if lookup is None:
         raise ConfigError(f"{type(planner).__name__} cannot hand over the value of {index.fqn!r} unpickled; "
                           "use DefaultSavePlanner (or one derived from it) with TierioWriter")
-    flat = flatten(lookup(index))
+    try:
+        flat = flatten(lookup(index))
+    except ConfigError as exc:
+        raise ConfigError(f"{index.fqn!r}: {exc}") from None
     if flat.tensors or flat.globals:
         raise ConfigError(f"{index.fqn!r} holds tensors inside a value DCP stores as bytes (a tuple?); use a list or dict")
     return flat.tree
@@ -262,11 +265,12 @@ def _catalog(man: Manifest, loaded: Loaded, rank: int, where: str) -> _Catalog:
     return cat
 
 
-def _sources(source: CheckpointManager | str | os.PathLike | Store | Sequence[Any]) -> list[Source]:
+def _sources(source: CheckpointManager | str | os.PathLike | Store | Tier | Sequence[Any]) -> list[Source]:
     if isinstance(source, CheckpointManager):
         return source.sources()
     items = source if isinstance(source, (list, tuple)) else [source]
-    return [Source(s if isinstance(s, Store) else open_store(s)) for s in items]
+    tiers = [as_tier(s) for s in items]
+    return [Source(open_tier_store(t), t.node_local) for t in tiers]
 
 
 class TierioReader(StorageReader):
