@@ -12,7 +12,7 @@
    checkpoint. Beyond that the manifest names each record with its size and xxh3 and the records
    stay: the commit then reads nothing and writes one line per rank, so its cost grows with the
    listing, not with the number of tensors.
-4. **The other ranks** poll for the manifest (one metadata request per poll, backing off to one a
+4. **The other ranks** poll for the manifest (one metadata request per poll, backing off to two a
    second) and are done when it describes their shard as they wrote it (an older manifest of the
    same step, being retired by a rollback, does not count).
 
@@ -37,7 +37,7 @@ from tierio.storage.base import Store, list_sizes, read_bytes
 
 log = logging.getLogger("tierio.ckpt")
 
-INLINE_RECORD_BYTES = 4 << 20  # records up to this size together are merged into the manifest
+INLINE_RECORD_BYTES = 1 << 20  # records up to this size together are merged into the manifest
 READ_DEPTH = 16  # records read at once
 
 
@@ -46,8 +46,8 @@ class Waiting:
     """How long a wait may take and how often it looks (seconds; the delay grows by half each time)."""
 
     timeout: float
-    first: float = 0.02
-    most: float = 0.5
+    first: float = 0.005
+    most: float = 0.25
 
 
 def where(store: Store, key: str) -> str:
@@ -101,9 +101,10 @@ def await_commit(store: Store, step: int, mine: RankEntry, ref: RecordRef | None
         seen[:] = ["a manifest of this step is there, but it does not describe this rank's new shard"]
         return False
 
+    # The other ranks look less often than the committer: they are many, it is one.
     poll_until(ready, lambda: f"rank 0 to commit step {step} on {store.url}"
                + (f" ({seen[0]})" if seen and isinstance(seen[0], str) else "") + "; did rank 0 die?",
-               Waiting(wait.timeout, wait.first, max(wait.most, 1.0)))
+               Waiting(wait.timeout, wait.first, 2 * wait.most))
     return seen[0]  # type: ignore[return-value]
 
 

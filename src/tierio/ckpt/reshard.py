@@ -15,7 +15,6 @@ Both go through ``storage.scatter``: this module decides, it moves no bytes itse
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -27,8 +26,11 @@ from tierio.format.safetensors import torch_dtype
 from tierio.format.shard import step_dir
 from tierio.format.slices import Box
 from tierio.io.checksum import verify as verify_checksum
+from tierio.io.engine import run_windows
 from tierio.storage.base import Store
 from tierio.storage.scatter import Whole, read_scatter, read_whole
+
+VERIFY_DEPTH = 4  # chunks checksummed at once (xxh3 releases the GIL on large buffers)
 
 
 @dataclass(frozen=True)
@@ -188,8 +190,9 @@ def read_file(store: Store, step: int, reads: FileReads, where: str) -> int:
     An IntegrityError leaves the targets partly written: the caller reads the file again elsewhere."""
     key = f"{step_dir(step)}/{reads.file}"
     n = read_scatter(store, key, [(p.chunk.begin, view) for p, view in reads.direct])
-    for p, view in reads.direct:
-        verify_checksum(view, p.chunk.xxh3, f"{where}, chunk at offsets {list(p.chunk.offsets)} (bytes {p.chunk.begin}..{p.chunk.end})")
+    run_windows(reads.direct, lambda pv: verify_checksum(
+        pv[1], pv[0].chunk.xxh3, f"{where}, chunk at offsets {list(pv[0].chunk.offsets)} (bytes {pv[0].chunk.begin}..{pv[0].chunk.end})"),
+        VERIFY_DEPTH)
 
     def staged(piece: Piece, dtype: str, fills: list[tuple[Target, Box]]):
         def use(view: memoryview) -> None:
@@ -206,6 +209,3 @@ def read_file(store: Store, step: int, reads: FileReads, where: str) -> int:
     n += read_whole(store, key, [staged(p, dt, fills) for p, dt, fills in reads.staged])
     return n
 
-
-def element_count(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)

@@ -153,11 +153,16 @@ class Manifest:
         return _encode(self.to_json(), f"manifest of step {self.step}", compact=not all(r.loaded for r in self.ranks))
 
 
+READABLE_BYTES = 64 << 10  # manifests up to this size are indented for people reading them
+
+
 def _encode(doc: dict, what: str, compact: bool = False) -> bytes:
     """The JSON of a manifest or record, refused here if the reader's limits would refuse it:
-    a checkpoint that saves must also restore."""
-    raw = json.dumps(doc, indent=None if compact else 1, separators=(",", ":") if compact else None,
-                     allow_nan=False).encode()
+    a checkpoint that saves must also restore. Compact JSON comes from the C encoder (indented
+    JSON does not: it costs ~4 s per MB); small manifests are indented for people."""
+    raw = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    if not compact and len(raw) <= READABLE_BYTES:
+        raw = json.dumps(doc, indent=1, allow_nan=False).encode()
     if len(raw) > MAX_MANIFEST_BYTES or not expansion_ok(raw):
         raise ConfigError(
             f"the {what} would be {len(raw)} bytes ({estimated_memory(raw) >> 20} MiB once parsed), beyond what "

@@ -200,7 +200,7 @@ def _async_note(background_s: float, window_s: float | None, interval_s: float) 
 
 
 # -- the commit's metadata load --------------------------------------------------------------------
-INLINE_RECORD_BYTES = 4 << 20  # tierio.ckpt.commit merges rank records into the manifest up to this
+INLINE_RECORD_BYTES = 1 << 20  # tierio.ckpt.commit merges rank records into the manifest up to this
 RECORD_BYTES_PER_TENSOR = 190.0  # a record's JSON per tensor slice (name, dtype, shapes, range, xxh3, tree leaf)
 REF_BYTES_PER_RANK = 140.0  # a manifest line naming one rank's record
 LIST_PAGE = 1000  # keys per listing request on S3
@@ -246,12 +246,12 @@ def commit_load(ranks: int, tensors_per_rank: int, shard_bytes: float, *, part_b
     record = 400.0 + RECORD_BYTES_PER_TENSOR * tensors_per_rank
     inline = record * ranks <= inline_limit
     manifest = record * ranks if inline else 300.0 + REF_BYTES_PER_RANK * ranks
-    polls = _polls(spread_s, 0.02, 0.5)
+    polls = _polls(spread_s, 0.005, 0.25)
     files_in_step = 2 * ranks + 1
     pages = -(-files_in_step // LIST_PAGE)
     parts = max(1, -(-int(shard_bytes) // int(part_bytes)))
     shard_puts = 1 if parts == 1 else parts + 2  # a single PUT, or create + parts + complete
-    rank_polls = _polls(spread_s, 0.02, 1.0) - 1  # HEADs of the manifest by each other rank
+    rank_polls = _polls(spread_s, 0.005, 0.5) - 1  # HEADs of the manifest by each other rank
     if ranks == 1:  # one rank commits its own entry: no record, no waiting
         requests = {"PUT": shard_puts + 1, "GET": 0, "HEAD": 0, "LIST": 0, "DELETE": 0}
         return CommitLoad(1, tensors_per_rank, "inline", record, record, 2, 0, 0, requests, float(shard_puts + 1))
