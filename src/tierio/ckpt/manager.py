@@ -31,20 +31,19 @@ import threading
 import time
 import warnings
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from tierio.dist import rank_world
 from tierio.errors import (
-    ConfigError, DiskFullError, FormatError, IntegrityError, LeaseError, NotFoundError, StorageError, TierioError,
+    ConfigError, FormatError, LeaseError, NotFoundError, StorageError, TierioError,
 )
 from tierio.format.manifest import RankEntry
-from tierio.format.shard import Placement, ShardLayout, describe, manifest_key, plan_shard, shard_key, shard_name, stage_into, step_dir
-from tierio.format.statetree import FlatState, flatten
-from tierio.io.buffers import BufferPool, HostBuffer, align_up
+from tierio.format.shard import Placement, describe, manifest_key, plan_shard, shard_key, shard_name, step_dir
+from tierio.format.statetree import flatten
+from tierio.io.buffers import BufferPool, align_up
 from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Store
 from tierio.units import human_bytes, parse_size
@@ -54,70 +53,18 @@ from tierio.ckpt.copy import CopyStats, copy_pool, copy_shard
 from tierio.ckpt.gc import TEMP_GRACE, GcOptions, GcTier, collect
 from tierio.ckpt.lease import TierLeases
 from tierio.ckpt.lineage import Lineage, Rollback
-from tierio.ckpt.nodes import agree_job, gather, group_joined
+from tierio.ckpt.nodes import agree_job, group_joined
 from tierio.ckpt.options import CheckpointOptions
 from tierio.ckpt.promotion import Cluster, Own, commit_on, promote_step, publish
 from tierio.ckpt.reader import VerifyReport, committed_steps, read_manifest, verify_copy
-from tierio.ckpt.restore import Source, load_state, own_rank
+from tierio.ckpt import recovery
+from tierio.ckpt.restore import Source
 from tierio.ckpt.retention import wanted
+from tierio.ckpt.saving import SaveHandle, Staged, Stager, check_space, check_tiers, to_write
 from tierio.ckpt.tier import Tier, TierState, as_tier, open_tier_store
 
 log = logging.getLogger("tierio.ckpt")
 
-CAPACITY_WARN = 0.80
-RESTORE_ERRORS = (FormatError, IntegrityError, StorageError)
-
-
-@dataclass
-class SaveHandle:
-    """Completion handles of one save: ``staged`` (state copied, the caller may go on),
-    ``persisted`` (this rank's shard durable on tier 0, and the step committed there when tier 0
-    is shared), ``committed`` (the step's manifest on its first shared tier: globally committed),
-    ``promoted`` (every slower tier committed)."""
-
-    step: int
-    staged: Future = field(default_factory=Future)
-    persisted: Future = field(default_factory=Future)
-    committed: Future = field(default_factory=Future)
-    promoted: Future = field(default_factory=Future)
-    blocking_seconds: float = 0.0  # time save() held the caller, waiting included
-    wait_seconds: float = 0.0  # part of it spent waiting for the previous persist
-    bytes: int = 0
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Wait for every stage; raises the first failure."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for f in (self.staged, self.persisted, self.committed, self.promoted):
-            f.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
-
-    def done(self) -> bool:
-        return self.promoted.done() and self.persisted.done() and self.committed.done()
-
-    def fail(self, exc: BaseException) -> None:
-        for f in (self.persisted, self.committed, self.promoted):
-            if not f.done():
-                f.set_exception(exc)
-
-
-@dataclass
-class _Staged:
-    """A staged shard on its way to tier 0."""
-
-    layout: ShardLayout
-    tree: Any
-    places: dict[str, Placement]
-    buf: HostBuffer
-    rollback: Rollback | None
-
-
-def _check_tiers(tiers: list[Tier]) -> None:
-    if any(t.node_local for t in tiers):
-        first_shared = next((i for i, t in enumerate(tiers) if not t.node_local), None)
-        if first_shared is None:
-            raise ConfigError("a node-local tier needs a shared tier after it (a shared filesystem or an object "
-                              "store): a step is committed there once every node's ranks have written their shards")
-        if any(t.node_local for t in tiers[first_shared:]):
-            raise ConfigError("node-local tiers must come before every shared tier (fastest first)")
 
 
 class CheckpointManager:
@@ -136,7 +83,7 @@ class CheckpointManager:
         rate = parse_size(opts.promote_bandwidth) if isinstance(opts.promote_bandwidth, str) else opts.promote_bandwidth
         self.limiter = TokenBucket(rate, burst=max(1 << 20, (rate or 0) / 4)) if rate else None
         specs = [as_tier(t) for t in tiers]
-        _check_tiers(specs)
+        check_tiers(specs)
         self._tiers = [TierState(t, open_tier_store(t, self.limiter if i > 0 else None)) for i, t in enumerate(specs)]
         self.rank, self.world_size = rank_world(rank, world_size, process_group)
         from_group = rank is None or world_size is None
@@ -168,7 +115,7 @@ class CheckpointManager:
         self._swept: set[str] = set()  # tiers whose leftovers this manager has cleaned up once
         self._closed = False
         self._warned_min_keep = False
-        self._stream = None
+        self._stager = Stager()
         self._gc_lock = threading.Lock()
         self._persist_pool = ThreadPoolExecutor(1, thread_name_prefix="tierio-ckpt-persist")
         self._checksum_pool = ThreadPoolExecutor(1, thread_name_prefix="tierio-ckpt-checksum")
@@ -196,7 +143,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         rollback = self._begin(step)
         flat = flatten(state)
-        tensors, places = _to_write(flat)
+        tensors, places = to_write(flat)
         handle = SaveHandle(step)
         job = self._staged(step, tensors, places, flat.tree, rollback, handle)
         handle.blocking_seconds = time.perf_counter() - t0
@@ -232,7 +179,7 @@ class CheckpointManager:
         return rollback
 
     def _staged(self, step: int, tensors: dict[str, torch.Tensor], places: dict[str, Placement], tree: Any,
-                rollback: Rollback | None, handle: SaveHandle) -> _Staged:
+                rollback: Rollback | None, handle: SaveHandle) -> Staged:
         """Lay out the shard and copy it into a staging buffer (the part a save blocks for)."""
         meta = {"tierio.step": str(step), "tierio.rank": str(self.rank), "tierio.world_size": str(self.world_size)}
         layout = plan_shard(tensors, meta)
@@ -248,10 +195,10 @@ class CheckpointManager:
         handle.wait_seconds = time.perf_counter() - tw
         try:
             self._raise_background_error()
-            self._check_space(need, step)
+            check_space(self._tiers[0], need, step, self.rank)
             with self._lock:
                 self._inflight.add(step)
-            self._stage(layout, tensors, buf)
+            self._stager.stage(layout, tensors, buf)
         except BaseException:
             with self._lock:
                 self._inflight.discard(step)
@@ -261,7 +208,7 @@ class CheckpointManager:
             if rollback is not None:
                 rollback.first = step if rollback.first is None else rollback.first
                 self._saved_since_restore.add(step)
-        return _Staged(layout, tree, places, buf, rollback)
+        return Staged(layout, tree, places, buf, rollback)
 
     # -- torch.distributed.checkpoint (ckpt.dcp) -------------------------------------------------
     def write_now(self, step: int, tensors: dict[str, torch.Tensor], places: dict[str, Placement]) -> Own:
@@ -357,38 +304,10 @@ class CheckpointManager:
         # point); promotions are not waited for, so a stalled slower tier never holds up a restore.
         self._drain(promotions=False)
         candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
-        failures: list[str] = []
-        tried: set[int] = set()
-        while True:
-            s = self._agree_step([c for c in candidates if c not in tried])
-            if s is None:
-                break
-            fatal: BaseException | None = None
-            try:
-                state, url = self._restore_step(s, into, failures, per_rank)
-                ok = True
-            except RESTORE_ERRORS as exc:
-                failures.append(str(exc))
-                ok, state, url = False, None, ""
-            except Exception as exc:  # noqa: BLE001 - raised below, after the other ranks heard of it
-                ok, state, url, fatal = False, None, "", exc
-            if self._group is not None:  # a rank that failed sends every rank to an older step
-                ok = self._agree_outcome(ok, fatal)
-            if fatal is not None:
-                raise fatal
-            if ok:
-                self._note_restore(s, url)
-                if failures:
-                    log.warning("restored step %d after: %s", s, "; ".join(failures))
-                return state
-            tried.add(s)
-            if step is None and len(tried) < len(candidates):
-                warnings.warn(f"no valid copy of step {s} on any tier; falling back to an older step", stacklevel=2)
-        if not candidates:
-            raise NotFoundError(f"no committed checkpoint on any tier ({', '.join(self.tiers)})")
-        raise IntegrityError(
-            f"no valid copy of step {candidates[0] if step is not None else 'any'} on any tier: " + "; ".join(failures or ["none found"])
-        )
+        req = recovery.Request(self.rank, self.world_size, into, per_rank, self._tiers, self.sources)
+        got = recovery.restore(req, candidates, recovery.Agreement(self._group, self.world_size), step is not None)
+        self._note_restore(got.step, got.url)
+        return got.state
 
     def steps(self) -> list[int]:
         """Committed steps on any tier (an unreachable tier is skipped with a warning)."""
@@ -496,50 +415,6 @@ class CheckpointManager:
         }
 
     # -- restore ---------------------------------------------------------------------------------
-    def _agree_step(self, candidates: list[int]) -> int | None:
-        """The newest of ``candidates`` (newest first) that every rank has; without a process group, this rank's newest."""
-        if self._group is None:
-            return candidates[0] if candidates else None
-        common = set.intersection(*(set(c) for c in gather(candidates, self._group, self.world_size)))
-        return max(common) if common else None
-
-    def _agree_outcome(self, ok: bool, fatal: BaseException | None) -> bool:
-        """Did every rank restore the agreed step? A rank's error that no other step can cure (a
-        target that does not match) ends the restore on every rank."""
-        outcomes = gather((ok, None if fatal is None else f"{type(fatal).__name__}: {fatal}"), self._group, self.world_size)
-        refused = [(r, why) for r, (_, why) in enumerate(outcomes) if why is not None]
-        if refused and fatal is None:
-            r, why = refused[0]
-            raise ConfigError(f"rank {r} could not restore, so no rank does: {why}")
-        return all(o for o, _ in outcomes)
-
-    def _restore_step(self, step: int, into: Any, failures: list[str], per_rank: str) -> tuple[Any, str]:
-        """This rank's state of ``step``: the manifest from the fastest shared tier that reads, every
-        file from the fastest tier with a good copy."""
-        for ts in self._tiers:
-            if ts.node_local or not ts.store.exists(manifest_key(step)):
-                continue
-            sources = self.sources(ts.url)
-            try:
-                man = read_manifest(ts.store, step)
-                if man.world_size != self.world_size:
-                    self._note_reshard(man.world_size, step)
-                got = load_state(man, self.rank, into, sources, world_size=self.world_size, per_rank=per_rank)
-                # The tier this rank's own shard came from (else the manifest's): what restored_from says.
-                return got.state, got.read_from.get(shard_name(own_rank(man, self.rank)), ts.url)
-            except RESTORE_ERRORS as exc:
-                msg = f"copy of step {step} on {ts.url} is unusable: {exc}"
-                warnings.warn(msg + "; trying the next tier", stacklevel=3)
-                log.warning("%s", msg)
-                failures.append(msg)
-        raise IntegrityError(f"no valid copy of step {step} on any tier: " + "; ".join(failures[-3:] or ["none found"]))
-
-    def _note_reshard(self, saved: int, step: int) -> None:
-        if self.rank == 0:
-            log.warning("step %d was saved by %d ranks and restores on %d: global tensors are resharded; each rank's "
-                        "own values come from the saved rank of the same number%s", step, saved, self.world_size,
-                        f" (ranks {saved}.. take rank 0's)" if self.world_size > saved else "")
-
     def _note_restore(self, step: int, url: str) -> None:
         """The next save starts a branch from ``step``: pending promotions of later steps are dropped
         (they belong to the abandoned branch) and that save retires them everywhere."""
@@ -565,40 +440,8 @@ class CheckpointManager:
             self._handles = [h for h in self._handles if not h.done()]
 
     # -- staging ---------------------------------------------------------------------------------
-    def _stage(self, layout: ShardLayout, tensors: dict[str, torch.Tensor], buf: HostBuffer) -> None:
-        cuda = any(t.is_cuda for t in tensors.values())
-        stream = None
-        if cuda and torch.cuda.is_available():
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()
-            stream = self._stream
-            stream.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad():
-            stage_into(layout, tensors, buf.tensor(), stream)
-        if stream is not None:
-            stream.synchronize()
-
-    def _check_space(self, need: int, step: int) -> None:
-        ts = self._tiers[0]
-        cap = ts.store.capacity()
-        if cap is None:
-            return
-        total, free = cap
-        if free < need + (1 << 20):
-            raise DiskFullError(
-                f"tier 0 ({ts.url}) has {human_bytes(free)} free but step {step} needs {human_bytes(need)} on rank "
-                f"{self.rank}: free space, keep fewer checkpoints there (retention) or point the tier elsewhere; "
-                "earlier checkpoints are intact"
-            )
-        used = (total - free + need) / total if total else 0.0
-        if used >= CAPACITY_WARN and not ts.warned_capacity:
-            ts.warned_capacity = True
-            warnings.warn(f"{ts.url} will be {used:.0%} full after step {step}; tighten retention or add space", stacklevel=3)
-        elif used < CAPACITY_WARN:
-            ts.warned_capacity = False
-
     # -- background: persist ---------------------------------------------------------------------
-    def _persist(self, handle: SaveHandle, job: _Staged) -> None:
+    def _persist(self, handle: SaveHandle, job: Staged) -> None:
         step = handle.step
         own: Own | None = None
         try:
@@ -631,7 +474,7 @@ class CheckpointManager:
             self._maybe_gc()
             handle.promoted.set_result(step)
 
-    def _write(self, step: int, job: _Staged, record: bool) -> tuple[Own, Lineage]:
+    def _write(self, step: int, job: Staged, record: bool) -> tuple[Own, Lineage]:
         """This rank's part of ``step`` on tier 0: the shard (checksummed while it streams out), then
         its record (when asked). The staging buffer is released whatever happens."""
         t0 = self._tiers[0]
@@ -841,15 +684,3 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError("this CheckpointManager is closed")
-
-
-def _to_write(flat: FlatState) -> tuple[dict[str, torch.Tensor], dict[str, Placement]]:
-    """The tensors this rank writes (its own, and the slices of global tensors it owns) and where
-    each global slice lies."""
-    tensors = dict(flat.tensors)
-    places: dict[str, Placement] = {}
-    for name, leaf in flat.globals.items():
-        if leaf.write:
-            tensors[name] = leaf.local
-            places[name] = Placement(leaf.box.offsets, leaf.shape)
-    return tensors, places
