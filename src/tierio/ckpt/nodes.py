@@ -3,7 +3,8 @@
 A node's ranks share its node-local tiers; the lowest of them leads: it holds the node tier's
 lease and applies retention there. The layout is agreed once, at construction, in the caller's
 thread: with an initialised process group, one ``all_gather_object`` of each rank's node name (the
-``node`` option, else ``TIERIO_NODE``, else the host name), which also carries rank 0's run id.
+``node`` option, else ``TIERIO_NODE``, else the host name and torchrun's GROUP_RANK), which also
+carries rank 0's run id.
 Without a process group: ranks sit on nodes in blocks of ``ranks_per_node`` (default torchrun's
 ``LOCAL_WORLD_SIZE``), else every rank on one node.
 """
@@ -41,7 +42,10 @@ class Job:
 
 
 def node_name(given: str | None) -> str:
-    name = given or os.environ.get("TIERIO_NODE") or socket.gethostname()
+    """This rank's node: ``given``, else TIERIO_NODE, else the host name (with torchrun's GROUP_RANK,
+    the agent's node index, appended: one agent per node)."""
+    group = os.environ.get("GROUP_RANK")
+    name = given or os.environ.get("TIERIO_NODE") or (socket.gethostname() + (f"-{group}" if group else ""))
     if not name or len(name) > 255:
         raise ConfigError(f"node name {name!r} must be 1-255 characters")
     return name

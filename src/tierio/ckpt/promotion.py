@@ -8,7 +8,8 @@ Both run on a manager's promotion thread and coordinate ranks through the destin
   runs there: rank 0 commits the manifest once every rank's record is listed. That manifest is the
   step's global commit.
 * **promotion**: from the fastest shared tier holding the committed step, each rank copies its own
-  files (read from its node's copy when that is there) to each slower tier, then leaves a marker
+  files (read from its node's copy when that is there; after a change of world size, the files of
+  the saved ranks ``q`` with ``q % world_size == rank``) to each slower tier, then leaves a marker
   named by a digest of the manifest; rank 0 copies the manifest (the same bytes) once every marker
   and every file is there, and removes the markers, which tells the other ranks it is done.
 """
@@ -19,7 +20,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tierio.errors import ConfigError, NotFoundError, TierioError
+from tierio.errors import NotFoundError, TierioError
 from tierio.format.manifest import Manifest, RankEntry, RecordRef
 from tierio.format.shard import fragment_key, manifest_key, step_dir
 from tierio.io.buffers import BufferPool
@@ -99,8 +100,6 @@ def promote_step(cl: Cluster, tiers: list[TierState], step: int, rollback: Rollb
     if src is None:
         raise NotFoundError(f"step {step} has no committed copy on any tier; nothing to promote")
     raw, man = read_manifest_raw(src.store, step)
-    if man.world_size != cl.world_size:
-        raise ConfigError(f"step {step} on {src.url} was saved by {man.world_size} ranks; this job has {cl.world_size}")
     for dst in shared[shared.index(src) + 1 :]:
         there = manifest_on(dst.store, step)
         if there == raw:
@@ -113,15 +112,20 @@ def promote_step(cl: Cluster, tiers: list[TierState], step: int, rollback: Rollb
 
 
 def copy_own(cl: Cluster, tiers: list[TierState], src: TierState, dst: TierState, man: Manifest) -> CopyStats:
-    """This rank's files of ``man`` to ``dst``: from its node's copy when that is good, else from ``src``."""
-    for ts in [t for t in tiers if t.node_local] + [src]:
-        try:
-            return copy_rank(ts.store, dst.store, man, cl.rank, cl.pool, cl.limiter)
-        except TierioError as exc:
-            if ts is src:
-                raise
-            log.info("copying rank %d's files of step %d from %s instead of %s: %s", cl.rank, man.step, src.url, ts.url, exc)
-    raise AssertionError("unreachable")
+    """This rank's share of the files of ``man`` to ``dst`` (the saved ranks q with q % world_size ==
+    rank: its own when the world size is the one saved), each from this node's copy when that is
+    good, else from ``src``."""
+    stats = CopyStats()
+    for q in range(cl.rank, man.world_size, cl.world_size):
+        for ts in [t for t in tiers if t.node_local] + [src]:
+            try:
+                stats.add(copy_rank(ts.store, dst.store, man, q, cl.pool, cl.limiter))
+                break
+            except TierioError as exc:
+                if ts is src:
+                    raise
+                log.info("copying rank %d's files of step %d from %s instead of %s: %s", q, man.step, src.url, ts.url, exc)
+    return stats
 
 
 def clear_destination(dst: Store, step: int, rollback: Rollback | None, other: bool) -> None:

@@ -169,7 +169,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         console().print(f"no committed checkpoint in {args.url}")
     else:
         print_table(f"Checkpoints in {args.url}", ["step", "time (UTC)", "ranks", "tensors", "size"],
-                    [[r["step"], r["time"][:19].replace("T", " "), r["world_size"], r["tensors"],
+                    [[r["step"], r["time"][:19].replace("T", " "), r["world_size"], "—" if r["tensors"] is None else r["tensors"],
                       human_bytes(r["bytes"])] for r in rows])
     out = console(stderr=True)
     for b in bad:
@@ -229,7 +229,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     with _store(args.url) as store:
         step = args.step if args.step is not None else _latest(store, args.url)
-        man = inspect(store, step)
+        man = inspect(store, step, records=args.tensors or args.json)
     tensors = {name: t for r in man.ranks for name, t in r.tensors.items()}
     if args.json:
         doc = _summary(man)
