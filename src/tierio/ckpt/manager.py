@@ -41,7 +41,7 @@ from tierio.errors import (
     ConfigError, FormatError, LeaseError, NotFoundError, StorageError, TierioError,
 )
 from tierio.format.manifest import RankEntry
-from tierio.format.shard import Placement, describe, manifest_key, plan_shard, shard_key, shard_name, step_dir
+from tierio.format.shard import Placement, ShardBytes, describe, manifest_key, plan_shard, shard_key, shard_name, step_dir
 from tierio.format.statetree import flatten
 from tierio.io.buffers import BufferPool, align_up
 from tierio.io.limiter import TokenBucket
@@ -216,8 +216,21 @@ class CheckpointManager:
         node-local copy them to the first shared tier too (``ckpt.dcp``'s write_data). ``places``
         places the global tensors' slices; the step is committed by ``commit_now``."""
         rollback = self._begin(step)
-        handle = SaveHandle(step)
-        job = self._staged(step, tensors, places, None, rollback, handle)
+        if all(t.device.type == "cpu" and t.is_contiguous() for t in tensors.values()):
+            # DCP blocks while it saves: the tensors go out through the writer's bounce buffers,
+            # copied while earlier requests are in flight, instead of all staged first.
+            layout = plan_shard(tensors, {"tierio.step": str(step), "tierio.rank": str(self.rank),
+                                          "tierio.world_size": str(self.world_size)})
+            self._raise_background_error()
+            check_space(self._tiers[0], layout.total_bytes, step, self.rank)
+            with self._lock:
+                self._inflight.add(step)
+                if rollback is not None:
+                    rollback.first = step if rollback.first is None else rollback.first
+                    self._saved_since_restore.add(step)
+            job = Staged(layout, None, places, None, rollback, ShardBytes(layout, tensors))
+        else:
+            job = self._staged(step, tensors, places, None, rollback, SaveHandle(step))
         own: Own | None = None
         try:
             own, lineage = self._write(step, job, True)
@@ -482,19 +495,20 @@ class CheckpointManager:
             self._cluster.ensure(t0)  # other ranks: wait for the leader's lease naming this run
             if job.rollback is not None:
                 self._retire(job.rollback)
-            view = job.buf.view[: job.layout.total_bytes]
+            parts, view = job.parts()
             fname = shard_name(self.rank)
-            # Checksum the staged bytes while the same bytes stream to disk (both only read the
-            # buffer); the record needs them only once the shard is durable.
+            # Checksum the bytes while the same bytes stream to disk (both only read them); the
+            # record needs the checksums only once the shard is durable.
             sums = self._checksum_pool.submit(describe, job.layout, view, fname, job.places)
             start = time.perf_counter()
             try:
-                t0.store.put_buffers(shard_key(step, self.rank), [view])
+                t0.store.put_buffers(shard_key(step, self.rank), parts)
             finally:
                 tensors = sums.result()
             self._account(t0, CopyStats(job.layout.total_bytes, time.perf_counter() - start, 1))
         finally:
-            self._staging.release(job.buf)
+            if job.buf is not None:
+                self._staging.release(job.buf)
         entry = RankEntry(self.rank, fname, job.layout.total_bytes, job.tree, tensors)
         lineage = Lineage(self._run(), job.rollback.after if job.rollback is not None else None)
         ref = write_record(t0.store, step, self.world_size, entry, lineage.token) if record else None

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from tierio.errors import ConfigError, DiskFullError
-from tierio.format.shard import Placement, ShardLayout, stage_into
+from tierio.format.shard import Placement, ShardBytes, ShardLayout, stage_into
 from tierio.format.statetree import FlatState
 from tierio.io.buffers import HostBuffer
 from tierio.units import human_bytes
@@ -56,13 +56,23 @@ class SaveHandle:
 
 @dataclass
 class Staged:
-    """A staged shard on its way to tier 0."""
+    """A shard on its way to tier 0: staged in ``buf`` (a save), or written straight from the
+    tensors in ``direct`` (a synchronous DCP save, whose tensors do not change meanwhile)."""
 
     layout: ShardLayout
     tree: Any
     places: dict[str, Placement]
-    buf: HostBuffer
+    buf: HostBuffer | None
     rollback: Rollback | None
+    direct: ShardBytes | None = None
+
+    def parts(self) -> tuple[list[memoryview], memoryview | ShardBytes]:
+        """What to write, and the bytes to checksum."""
+        if self.direct is not None:
+            return self.direct.parts, self.direct
+        assert self.buf is not None
+        view = self.buf.view[: self.layout.total_bytes]
+        return [view], view
 
 
 def check_tiers(tiers: list[Tier]) -> None:

@@ -8,6 +8,7 @@ reported down to the chunk, and global offsets stay meaningful for later reshard
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from dataclasses import dataclass
@@ -187,11 +188,11 @@ class Placement:
     is_global: bool = True
 
 
-def describe(layout: ShardLayout, view: memoryview, file: str,
+def describe(layout: ShardLayout, view: memoryview | ShardBytes, file: str,
              places: dict[str, Placement] | None = None) -> dict[str, TensorInfo]:
-    """The manifest description of a staged shard: every chunk with its byte range, its global
-    offsets and the xxh3 of its bytes in ``view`` (the staged shard). Tensors missing from
-    ``places`` are the rank's own."""
+    """The manifest description of a shard: every chunk with its byte range, its global offsets
+    and the xxh3 of its bytes in ``view`` (the staged shard, or its ShardBytes). Tensors missing
+    from ``places`` are the rank's own."""
     places = places or {}
     out: dict[str, TensorInfo] = {}
     for name, e in layout.header.tensors.items():
@@ -202,3 +203,26 @@ def describe(layout: ShardLayout, view: memoryview, file: str,
             chunks.append(ChunkInfo(file, c.begin, c.end, offsets, c.shape, xxh3(view[c.begin : c.end])))
         out[name] = TensorInfo(name, e.dtype, p.shape, chunks, p.is_global)
     return out
+
+
+class ShardBytes:
+    """A shard's bytes straight from the tensors it holds (no staging copy): ``parts`` is what a
+    writer writes in order, and slicing by file offsets gives the bytes of any chunk (a chunk never
+    spans two tensors). Only for contiguous CPU tensors that stay unchanged until written."""
+
+    def __init__(self, layout: ShardLayout, tensors: dict[str, torch.Tensor]) -> None:
+        self.parts: list[memoryview] = [memoryview(layout.header_bytes)]
+        self._starts: list[int] = [0]
+        for name, e in layout.header.tensors.items():
+            if e.nbytes == 0:
+                continue
+            t = tensors[name]
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise FormatError(f"tensor {name!r} must be a contiguous CPU tensor to be written unstaged")
+            self._starts.append(layout.header.data_offset + e.begin)
+            self.parts.append(memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B"))
+
+    def __getitem__(self, s: slice) -> memoryview:
+        i = bisect.bisect_right(self._starts, s.start) - 1
+        base = self._starts[i]
+        return self.parts[i][s.start - base : s.stop - base]
