@@ -230,6 +230,9 @@ def run_ranks(args: Any) -> dict[str, Any]:
     try:
         _log(f"fio O_DIRECT write, {world} jobs, {human_bytes(size)} in all, on {work}")
         fio = common.run_fio(work / "fio", "write", size // world, jobs=world)["bytes_per_s"]
+        _log(f"fio O_DIRECT read, {world} and {world // 2} jobs, and one buffered reader, {human_bytes(size)} in all")
+        fio_read = {f"{n}_jobs": common.run_fio(work / "fio", "read", size // n, jobs=n)["bytes_per_s"] for n in (world, world // 2)}
+        fio_read["buffered_1_job"] = common.run_fio(work / "fio", "read", size, direct=False)["bytes_per_s"]
         shutil.rmtree(work / "fio", ignore_errors=True)
         cfg = {"work": str(work), "size": size, "tensors": args.tensors, "repeat": max(1, min(args.repeat, 3)), "layers": layers}
         tmp.start_processes(rank_main, args=(world, cfg, f"file://{work}/pg"), nprocs=world, start_method="spawn")
@@ -250,11 +253,16 @@ def run_ranks(args: Any) -> dict[str, Any]:
         "ratios": {k: round(v, 3) for k, v in ratios.items()},
         "targets": {k: f"{op} {v}" for k, (op, v) in TARGETS.items()},
         "met": common.check_targets(ratios, TARGETS),
-        "fio": {"write_bytes_per_s": fio, "jobs": world},
+        "fio": {"write_bytes_per_s": fio, "jobs": world, "read_bytes_per_s": fio_read},
         "persist": {**p, "write_bytes_per_s": p["bytes"] / p["write_s"], "persist_bytes_per_s": p["bytes"] / p["persist_s"]},
         "dcp": d, "replicated": rep,
         "extra_ratios": {
             "multirank_persist_end_to_end_vs_fio": p["bytes"] / p["persist_s"] / fio,
+            # how close each reader comes to the disk (fio O_DIRECT read with as many jobs as readers)
+            "dcp_filesystem_load_vs_fio_read": d["state_bytes"] / d["dcp_fs_load_s"] / fio_read[f"{world}_jobs"],
+            "dcp_tierio_load_vs_fio_read": d["state_bytes"] / d["dcp_tierio_load_s"] / fio_read[f"{world}_jobs"],
+            "reshard_dcp_load_vs_fio_read": d["state_bytes"] / d["reshard_dcp_load_s"] / fio_read[f"{world // 2}_jobs"],
+            "reshard_tierio_restore_vs_fio_read": d["state_bytes"] / d["reshard_tierio_restore_s"] / fio_read[f"{world // 2}_jobs"],
             "manager_save_vs_dcp_filesystem_save": d["dcp_fs_save_s"] / d["tierio_save_s"],
         },
     }
