@@ -73,17 +73,21 @@ def _fsdp_model(mesh: Any, layers: int) -> torch.nn.Module:
     return model
 
 
-def _timed(fn: Any, group: Any = None) -> float:
-    """Seconds for ``fn`` on every rank of ``group``: first start to last end (a barrier each side)."""
+def _timed(fn: Any, group: Any = None, cpu: dict[str, float] | None = None, key: str = "") -> float:
+    """Seconds for ``fn`` on every rank of ``group``: first start to last end (a barrier each side).
+    With ``cpu``, ``cpu[key]`` gets the CPU seconds all ranks spent (every thread): on a machine
+    with fewer cores than ranks, it tells a CPU-bound phase from one that waits for the disk."""
     import torch.distributed as dist
 
     dist.barrier(group=group)
-    t0 = time.time()
+    t0, c0 = time.time(), time.process_time()
     fn()
-    end = time.time()
+    end, c1 = time.time(), time.process_time()
     out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, (t0, end), group=group)
-    return max(e for _, e in out) - min(s for s, _ in out)
+    dist.all_gather_object(out, (t0, end, c1 - c0), group=group)
+    if cpu is not None:
+        cpu[key] = sum(c for _, _, c in out)
+    return max(e for _, e, _ in out) - min(s for s, _, _ in out)
 
 
 def _drop(paths: list[Path], rank: int, group: Any = None) -> None:
@@ -103,22 +107,24 @@ def _persist(work: Path, rank: int, world: int, size: int, tensors: int, repeat:
     from tierio.ckpt import CheckpointManager, KeepLast, Tier
 
     state = make_state(size // world, max(1, tensors // world), seed=rank)
-    spans, walls = [], []
+    spans, walls, cpus = [], [], []
     with CheckpointManager([Tier(str(work / "persist"), KeepLast(2))], min_keep=1) as mgr:
         for step in range(1, repeat + 2):
             state["step"] = step
             dist.barrier()
-            t0 = time.time()
+            t0, c0 = time.time(), time.process_time()
             h = mgr.save(step, state)
             t1 = time.time()
             h.persisted.result()
-            t2 = time.time()
+            t2, c2 = time.time(), time.process_time()
             got: list[Any] = [None] * world
-            dist.all_gather_object(got, (t0, t1, t2))
+            dist.all_gather_object(got, (t0, t1, t2, c2 - c0))
             if step > 1:  # the first save allocates and faults the staging buffer
                 spans.append(max(g[2] for g in got) - min(g[1] for g in got))
                 walls.append(max(g[2] for g in got) - min(g[0] for g in got))
-    return {"bytes": state_nbytes(state) * world, "write_s": statistics.median(spans), "persist_s": statistics.median(walls)}
+                cpus.append(sum(g[3] for g in got))
+    return {"bytes": state_nbytes(state) * world, "write_s": statistics.median(spans), "persist_s": statistics.median(walls),
+            "cpu_s": statistics.median(cpus)}  # CPU seconds of all ranks per save, staging to durable
 
 
 def _replicated(work: Path, rank: int, world: int, size: int) -> dict[str, Any]:
@@ -159,31 +165,37 @@ def _dcp_phase(work: Path, rank: int, world: int, layers: int) -> dict[str, Any]
     mesh = DeviceMesh("cpu", list(range(world)))
     mesh_half = DeviceMesh("cpu", list(range(half)))
     out: dict[str, Any] = {}
+    cpu: dict[str, float] = {}
+
+    def timed(key: str, fn: Any, group: Any = None) -> None:
+        out[key] = _timed(fn, group, cpu, key)
+
     model = _fsdp_model(mesh, layers)
     sd = {"model": get_model_state_dict(model)}
     fs, tio, native = work / "dcp-fs", work / "dcp-tierio", work / "tierio-native"
-    out["dcp_fs_save_s"] = _timed(lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(fs), sync_files=True)))
+    timed("dcp_fs_save_s", lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(fs), sync_files=True)))
     with CheckpointManager([str(tio)]) as mgr:
-        out["dcp_tierio_save_s"] = _timed(lambda: dcp.save(sd, storage_writer=TierioWriter(mgr, step=1)))
+        timed("dcp_tierio_save_s", lambda: dcp.save(sd, storage_writer=TierioWriter(mgr, step=1)))
         mgr.wait()
     with CheckpointManager([str(native)]) as mgr:
-        out["tierio_save_s"] = _timed(lambda: mgr.save(1, sd).wait())
+        timed("tierio_save_s", lambda: mgr.save(1, sd).wait())
     _drop([fs], rank)
-    out["dcp_fs_load_s"] = _timed(lambda: dcp.load(sd, storage_reader=dcp.FileSystemReader(str(fs))))
+    timed("dcp_fs_load_s", lambda: dcp.load(sd, storage_reader=dcp.FileSystemReader(str(fs))))
     _drop([tio], rank)
-    out["dcp_tierio_load_s"] = _timed(lambda: dcp.load(sd, storage_reader=TierioReader(str(tio))))
+    timed("dcp_tierio_load_s", lambda: dcp.load(sd, storage_reader=TierioReader(str(tio))))
     model = sd = None  # free the full-world state before the half-world one
     # the resharding: the same checkpoints onto half the ranks
     if rank < half:
         small = _fsdp_model(mesh_half, layers)
         sd2 = {"model": get_model_state_dict(small)}
         _drop([fs], rank, sub)
-        out["reshard_dcp_load_s"] = _timed(lambda: dcp.load(sd2, storage_reader=dcp.FileSystemReader(str(fs)),
-                                                             process_group=sub), sub)
+        timed("reshard_dcp_load_s", lambda: dcp.load(sd2, storage_reader=dcp.FileSystemReader(str(fs)),
+                                                     process_group=sub), sub)
         with CheckpointManager([str(native)], process_group=sub) as mgr:
             _drop([native], rank, sub)
-            out["reshard_tierio_restore_s"] = _timed(lambda: mgr.restore(into=sd2), sub)
+            timed("reshard_tierio_restore_s", lambda: mgr.restore(into=sd2), sub)
     dist.barrier()
+    out["cpu_s"] = cpu  # CPU seconds of all ranks in each timed phase
     out["state_bytes"] = layers * LAYER[0] * LAYER[1] * 4
     return out
 
@@ -227,6 +239,7 @@ def run_ranks(args: Any) -> dict[str, Any]:
     if base is not None:
         base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="tierio-bench-cluster-", dir=base))
+    load = {"start": os.getloadavg()[0]}  # other work on the machine competes for its cores
     try:
         _log(f"fio O_DIRECT write, {world} jobs, {human_bytes(size)} in all, on {work}")
         fio = common.run_fio(work / "fio", "write", size // world, jobs=world)["bytes_per_s"]
@@ -237,6 +250,7 @@ def run_ranks(args: Any) -> dict[str, Any]:
         cfg = {"work": str(work), "size": size, "tensors": args.tensors, "repeat": max(1, min(args.repeat, 3)), "layers": layers}
         tmp.start_processes(rank_main, args=(world, cfg, f"file://{work}/pg"), nprocs=world, start_method="spawn")
         r = json.loads((work / "result.json").read_text())
+        load["end"] = os.getloadavg()[0]
     finally:
         if not getattr(args, "keep", False):
             shutil.rmtree(work, ignore_errors=True)
@@ -250,6 +264,7 @@ def run_ranks(args: Any) -> dict[str, Any]:
     }
     return {
         "benchmark": "ckpt", "ranks": world, "directory": str(work), "machine": common.machine_facts(),
+        "load_average_1min": load,
         "ratios": {k: round(v, 3) for k, v in ratios.items()},
         "targets": {k: f"{op} {v}" for k, (op, v) in TARGETS.items()},
         "met": common.check_targets(ratios, TARGETS),
