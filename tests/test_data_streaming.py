@@ -19,9 +19,12 @@ from tierio.storage import open_store
 N = 400
 
 
-def _write(url, n=N, shard_size=16384, seed=None):
-    """n samples {x: [i, i*i mod 97], pad}; small shards so a dataset has many."""
-    with ShardWriter(url, ["x", "pad"], shard_size=shard_size, meta={"seed": seed}) as w:
+def _write(url, n=N, shard_size=320, seed=None, format="columns"):
+    """n samples {x: [i, i*i mod 97], pad}; small shards so a dataset has many (10 samples of 32
+    bytes in a columns shard, ~10 in a 16 KiB tar shard)."""
+    if format == "tar" and shard_size == 320:
+        shard_size = 16384
+    with ShardWriter(url, ["x", "pad"], shard_size=shard_size, meta={"seed": seed}, format=format) as w:
         for i in range(n):
             w.write({"x": np.array([i, (i * i) % 97], np.int64), "pad": np.zeros(16, np.uint8)})
     return w.manifest
@@ -38,8 +41,15 @@ def local_url(tmp_path):
     return url
 
 
-def test_shards_are_plain_tar_and_webdataset_reads_them(tmp_path, local_url):
-    man = load_manifest(local_url)
+@pytest.fixture
+def tar_url(tmp_path):
+    url = f"file://{tmp_path / 'remote'}"
+    _write(url, format="tar")
+    return url
+
+
+def test_shards_are_plain_tar_and_webdataset_reads_them(tmp_path, tar_url):
+    man = load_manifest(tar_url)
     assert man.num_samples == N and len(man.shards) > 5
     first = tmp_path / "remote" / man.shards[0].key
     listing = subprocess.run(["tar", "tf", str(first)], capture_output=True, text=True, check=True).stdout.split()

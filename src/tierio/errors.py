@@ -47,5 +47,13 @@ class ConfigError(TierioError, ValueError):
     """An argument or setting is invalid."""
 
 
+class UnstorableError(ConfigError):
+    """A value in a state cannot be stored without pickle; ``key`` is its path in the state ("a/b/0")."""
+
+    def __init__(self, message: str, key: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 class LeaseError(StorageError):
     """Another run holds the tier's write lease (or this run lost it): one writer per tier."""

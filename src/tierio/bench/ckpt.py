@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from tierio.bench import common
+from tierio.bench import common, integrations
 from tierio.errors import ConfigError
 from tierio.units import human_bytes, parse_size
 
@@ -47,6 +47,7 @@ TARGETS = {
     "dcp_tierio_writer_vs_filesystem_writer": (">=", 1.3),
     "dcp_tierio_reader_vs_filesystem_reader": (">=", 1.0),
     "replicated_bytes_written": ("<=", 1.01),
+    **integrations.TARGETS,
 }
 
 
@@ -62,6 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                               "e.g. 1,64,1024")
     p.add_argument("--commit-tensors", type=int, default=64, help="tensor slices per simulated rank (default 64)")
     p.add_argument("--s3", action="store_true", help="with --commit-scale: also on a local SeaweedFS bucket")
+    p.add_argument("--no-integrations", action="store_true", help="skip the Lightning and Trainer save-stall ratios")
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -273,6 +275,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(work / "dcp", ignore_errors=True)
         log("torch.save + fsync")
         torch_save_s = common.timed_torch_save(state["tensors"], work / "torch")
+        integ = {} if args.no_integrations else integrations.measure(size, work / "integrations", args.repeat, log)
     finally:
         if not getattr(args, "keep", False):
             shutil.rmtree(work, ignore_errors=True)
@@ -287,6 +290,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "restore_vs_fio_read": (nbytes / tio["restore_into_s"]) / fio_read,
         "restore_vs_dcp_load": dcp_r["load_s"] / tio["restore_into_s"],
         "rss_overhead": rss["peak_rss"] / (2 * rss["state_bytes"]),
+        **integ.get("ratios", {}),
     }
     met = common.check_targets(ratios, {k: v for k, v in TARGETS.items() if k in ratios})
     return {
@@ -306,6 +310,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "torch_save_fsync_s": torch_save_s,
         "memcpy_s": memcpy_s,
         "rss": rss,
+        "integrations": integ,
         "extra_ratios": {
             "persist_vs_fio_write_end_to_end": (nbytes / tio["persist_s"]) / fio_write,
             "restore_alloc_vs_fio_read": (nbytes / tio["restore_alloc_s"]) / fio_read,

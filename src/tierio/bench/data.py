@@ -11,6 +11,24 @@ One run, four figures (each a median of --repeat runs where it is timed):
                           server through the NVMe cache, divided by tokens/s reading the same
                           shards from local disk in place; the first (downloading) epoch is
                           reported as stream_first_epoch_vs_local
+
+and, against the streaming libraries (``bench_peers``, in tierio.bench.data_peers): the same
+--peer-samples samples of 1,024 uint16 tokens written to one SeaweedFS bucket per library and
+streamed back through a local cache in batches of 64, one process, no DataLoader workers:
+
+  stream_vs_litdata_first_epoch, stream_vs_litdata_cached_epoch, stream_vs_mosaic_first_epoch
+                          tierio samples/s / the peer's, first (downloading) and second epoch
+  shard_bytes_overhead    bytes tierio stores in the bucket / raw sample bytes
+  first_epoch_disk_read_ratio
+                          bytes read from the local disk during tierio's first epoch (by the
+                          reader and by the S3 server, /proc/PID/io read_bytes, with the
+                          bucket's files dropped from the page cache first) / raw sample bytes
+  workers2_vs_workers0    tierio's first epoch with 2 DataLoader workers / with none
+  write_vs_mds_write_upload
+                          MDSWriter writing the shards locally and uploading them (seconds) /
+                          tierio's ShardWriter writing them to the bucket
+
+Peers are found if installed and named when missing: ``pip install litdata mosaicml-streaming``.
 """
 
 from __future__ import annotations
@@ -35,6 +53,13 @@ TARGETS = {
     "pack_docs_per_s": (">=", 1_000_000),
     "loader_vs_memmap": (">=", 0.9),
     "stream_cached_vs_local": (">=", 0.9),
+    "stream_vs_litdata_first_epoch": (">=", 1.2),
+    "stream_vs_litdata_cached_epoch": (">=", 1.2),
+    "stream_vs_mosaic_first_epoch": (">=", 3.0),
+    "shard_bytes_overhead": ("<=", 1.05),
+    "first_epoch_disk_read_ratio": ("<=", 1.1),
+    "workers2_vs_workers0": (">=", 1.0),
+    "write_vs_mds_write_upload": (">=", 1.0),
 }
 
 
@@ -48,7 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=3, help="timed repetitions per figure (default 3)")
     p.add_argument("--passes", type=int, default=4, help="passes over the token file per loader measurement (default 4)")
     p.add_argument("--dir", default=None, help="work directory (default: a temporary directory)")
-    p.add_argument("--skip-s3", action="store_true", help="skip the SeaweedFS streaming figure")
+    p.add_argument("--skip-s3", action="store_true", help="skip the SeaweedFS streaming figures (and the peers)")
+    p.add_argument("--peer-samples", type=int, default=200_000,
+                   help="samples of 1,024 uint16 tokens in the comparison with litdata and MosaicML Streaming (default 200,000)")
+    p.add_argument("--skip-peers", action="store_true", help="skip the comparison with litdata and MosaicML Streaming")
 
 
 # -- packing ---------------------------------------------------------------------------------
@@ -232,9 +260,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         pack = bench_pack(args.docs, args.seq_len, args.repeat)
         loader = bench_loader(work, parse_size(args.loader_size), args.seq_len, args.batch_size, args.repeat, args.passes)
-        stream = None
+        stream = peers = None
         if not args.skip_s3:
             stream = bench_stream(work, parse_size(args.stream_size), args.seq_len, parse_size(args.shard_size), args.repeat)
+            if not args.skip_peers:
+                from tierio.bench.data_peers import bench_peers
+
+                peers = bench_peers(work, args.peer_samples)
     finally:
         if own:
             shutil.rmtree(work, ignore_errors=True)
@@ -246,6 +278,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if stream is not None:
         ratios["stream_cached_vs_local"] = common.ratio(stream["cached_tokens_per_s"], stream["local_tokens_per_s"])
         ratios["stream_first_epoch_vs_local"] = common.ratio(stream["first_epoch_tokens_per_s"], stream["local_tokens_per_s"])
+    if peers is not None:
+        ratios.update(peers["ratios"])
     return {
         "benchmark": "data",
         "machine": common.machine_facts(),
@@ -255,4 +289,5 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "pack": pack,
         "loader": loader,
         "stream": stream,
+        "peers": peers,
     }

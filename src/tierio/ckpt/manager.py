@@ -36,9 +36,10 @@ from typing import Any
 
 import torch
 
+from tierio import events
 from tierio.dist import rank_world
 from tierio.errors import (
-    ConfigError, FormatError, LeaseError, NotFoundError, StorageError, TierioError,
+    ConfigError, FormatError, IntegrityError, LeaseError, NotFoundError, StorageError, TierioError,
 )
 from tierio.format.manifest import RankEntry
 from tierio.format.shard import Placement, ShardBytes, describe, manifest_key, plan_shard, shard_key, shard_name, step_dir
@@ -152,6 +153,7 @@ class CheckpointManager:
             self._handles.append(handle)
             self._saves.append({"step": step, "bytes": handle.bytes, "blocking_seconds": handle.blocking_seconds,
                                 "wait_seconds": handle.wait_seconds})
+        events.emit(events.CheckpointStaged(step, self._tiers[0].url, handle.bytes, handle.blocking_seconds, handle.wait_seconds))
         self._persist_pool.submit(self._persist, handle, job)
         return handle
 
@@ -316,10 +318,12 @@ class CheckpointManager:
         # Persists and global commits in flight land first (none may land after the rollback
         # point); promotions are not waited for, so a stalled slower tier never holds up a restore.
         self._drain(promotions=False)
+        started = time.perf_counter()
         candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
         req = recovery.Request(self.rank, self.world_size, into, per_rank, self._tiers, self.sources)
         got = recovery.restore(req, candidates, recovery.Agreement(self._group, self.world_size), step is not None)
         self._note_restore(got.step, got.url)
+        events.emit(events.CheckpointRestored(got.step, got.url, time.perf_counter() - started))
         return got.state
 
     def steps(self) -> list[int]:
@@ -468,6 +472,8 @@ class CheckpointManager:
                 handle.committed.set_result(step)
             with self._lock:
                 self._saves_update(step, persist_seconds=time.perf_counter() - start)
+            events.emit(events.CheckpointPersisted(step, self._tiers[0].url, job.layout.total_bytes, time.perf_counter() - start,
+                                                   len(self._tiers) > 1))
             handle.persisted.set_result(step)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller through the handle
             self._cleanup_failed(step, own)
@@ -572,9 +578,11 @@ class CheckpointManager:
                 with self._lock:
                     self._pending.discard(step)
                 done.append(step)
+                events.emit(events.CheckpointPromoted(step, self._tiers[0].url))
             except BaseException as exc:  # noqa: BLE001 - a retry comes with the next save
                 last_exc = exc
                 self._add_pending(step)
+                events.emit(events.PromotionFailed(step, self._tiers[0].url, str(exc), isinstance(exc, (IntegrityError, FormatError))))
                 msg = f"promotion of step {step} failed ({exc}); the faster copy stays and promotion will be retried"
                 log.warning("%s", msg)
                 if not strict:
@@ -682,6 +690,7 @@ class CheckpointManager:
             ts.bytes += stats.bytes
             ts.seconds += stats.seconds
             ts.files += stats.files
+        events.emit(events.TierWritten(ts.url, stats.bytes, stats.seconds))
 
     def _saves_update(self, step: int, **kw: Any) -> None:
         for s in reversed(self._saves):

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierio import events
 from tierio.errors import ConfigError, FormatError, IntegrityError, NotFoundError, StorageError
 from tierio.format.shard import manifest_key, shard_name
 
@@ -129,4 +130,5 @@ def restore_step(req: Request, step: int) -> tuple[Any, str]:
             warnings.warn(msg + "; trying the next tier", stacklevel=4)
             log.warning("%s", msg)
             req.failures.append(msg)
+            events.emit(events.CopyUnusable(step, ts.url, str(exc)))
     raise IntegrityError(f"no valid copy of step {step} on any tier: " + "; ".join(req.failures[-3:] or ["none found"]))

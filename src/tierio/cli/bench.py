@@ -13,6 +13,7 @@ TARGETS = {
     "ckpt": "checkpoint save/restore vs fio, torch.save and torch.distributed.checkpoint",
     "weights": "weight loading vs fio, safetensors, torch.load and download-then-load",
     "data": "sequence packing, loader and streaming throughput",
+    "parquet": "building a dataset from Parquet vs reading the column with pyarrow",
     "kv": "the KV cache vs memcpy, fio and recomputing the prefill",
 }
 

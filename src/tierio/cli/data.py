@@ -1,8 +1,9 @@
-"""`tierio data`: build, inspect, merge and pack Megatron-compatible token datasets."""
+"""`tierio data`: build, inspect, merge and pack token datasets; export shard datasets."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -17,11 +18,17 @@ examples:
   tierio data build arr.npy corpus --vocab-size 50257   a .npy (1-D: one document, 2-D: one per row)
   tierio data build text.jsonl corpus --tokenizer tokenizer.json --append-eos 0
                                                         raw text, tokenized locally (needs `tokenizers`)
+  tierio data build train.parquet corpus --column input_ids
+                                                        Parquet lists of token ids (needs `pyarrow`)
+  tierio data build data/ corpus --text-column text --tokenizer tokenizer.json
+                                                        every .parquet under data/, text tokenized locally
   tierio data inspect corpus --json                     counts, dtype, length percentiles
   tierio data merge all part1 part2 part3               concatenate datasets (same dtype)
   tierio data pack corpus --seq-len 4096                plan best-fit-decreasing packs -> corpus.pack4096.npz
   tierio data pack corpus --seq-len 4096 --shards s3://bucket/packed?endpoint=http://127.0.0.1:8333
-                                                        ... and write the packs as 64 MiB tar shards
+                                                        ... and write the packs as 64 MiB shards
+  tierio data export s3://bucket/packed?endpoint=http://127.0.0.1:8333 /data/packed-wds --webdataset
+                                                        a shard dataset as WebDataset tar shards
 
 A dataset is named by its prefix: `corpus` means corpus.bin + corpus.idx (Megatron-LM's format).
 """
@@ -32,13 +39,17 @@ def register(sub) -> None:
                       description="Build, inspect, merge and pack Megatron-LM compatible token datasets (.bin/.idx).",
                       epilog=EPILOG)
 
-    b = ds.add_parser("build", help="build a dataset from JSONL token ids, .npy, or text + tokenizer.json",
+    b = ds.add_parser("build", help="build a dataset from JSONL token ids, .npy, Parquet, or text + tokenizer.json",
                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    b.add_argument("input", help="input file: .jsonl (token ids), .npy, or text (.txt/.jsonl) with --tokenizer")
+    b.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="input files, in order: .jsonl (token ids), .npy, text (.txt/.jsonl) with --tokenizer, "
+                        ".parquet files or directories of them")
     b.add_argument("output", help="output prefix (writes OUTPUT.bin and OUTPUT.idx)")
     b.add_argument("--key", default="tokens", help="JSON field with token ids (default: tokens)")
     b.add_argument("--tokenizer", help="local tokenizer.json to tokenize raw text")
     b.add_argument("--text-key", default="text", help="JSON field with text when tokenizing .jsonl (default: text)")
+    b.add_argument("--column", help="Parquet column of token-id lists (int32/int64), e.g. input_ids")
+    b.add_argument("--text-column", help="Parquet column of text, tokenized with --tokenizer")
     b.add_argument("--vocab-size", type=int, help="vocabulary size: picks uint16 below 65,500, else int32")
     b.add_argument("--append-eos", type=int, metavar="ID", help="append this token id to every document")
     b.add_argument("--json", action="store_true", help="print JSON")
@@ -63,10 +74,27 @@ def register(sub) -> None:
     k.add_argument("--window", type=int, default=None, help="documents planned together (default 262144)")
     k.add_argument("--batch-size", type=int, default=None, help="also report the variation of real tokens per step")
     k.add_argument("--plan", help="where to write the plan (default PREFIX.packSEQLEN.npz)")
-    k.add_argument("--shards", metavar="URL", help="write packed samples as tar shards to this store URL")
+    k.add_argument("--shards", metavar="URL", help="write packed samples as shards to this store URL")
     k.add_argument("--shard-size", default="64MiB", help="target shard size (default 64MiB)")
+    k.add_argument("--format", choices=["columns", "tar"], default="columns",
+                   help="shard container: columns (compact, default) or tar (the WebDataset layout)")
     k.add_argument("--json", action="store_true", help="print JSON")
     k.set_defaults(handler=_pack)
+
+    x = ds.add_parser("export", help="copy a shard dataset into another container (e.g. WebDataset tar shards)",
+                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    x.add_argument("source", help="store URL or path of the dataset (its index.json)")
+    x.add_argument("dest", help="store URL or path to write the copy to")
+    fmt = x.add_mutually_exclusive_group()
+    fmt.add_argument("--webdataset", dest="format", action="store_const", const="tar",
+                     help="plain tar shards of .npy members that webdataset and any tar tool read (default)")
+    fmt.add_argument("--columns", dest="format", action="store_const", const="columns",
+                     help="tierio's compact container")
+    x.set_defaults(format="tar")
+    x.add_argument("--shard-size", default="64MiB", help="target shard size (default 64MiB)")
+    x.add_argument("--cache-dir", help="local directory for the source's shards (default: a temporary one)")
+    x.add_argument("--json", action="store_true", help="print JSON")
+    x.set_defaults(handler=_export)
 
 
 def _show(title: str, d: dict, as_json: bool) -> None:
@@ -84,14 +112,39 @@ def _show(title: str, d: dict, as_json: bool) -> None:
 
 
 def _build(args) -> int:
-    from tierio.data.builder import build_indexed, iter_input
+    from tierio.data.builder import build_inputs
 
+    parquet = None
+    if args.column is not None or args.text_column is not None:
+        from tierio.data.parquet import ParquetColumns
+
+        parquet = ParquetColumns(ids=args.column, text=args.text_column, tokenizer=args.tokenizer, append_eos=args.append_eos)
     t0 = time.perf_counter()
-    docs = iter_input(args.input, key=args.key, tokenizer=args.tokenizer, text_key=args.text_key, append_eos=args.append_eos)
-    st = build_indexed(docs, args.output, vocab_size=args.vocab_size).to_dict()
-    st["seconds"] = round(time.perf_counter() - t0, 3)
+    st = build_inputs(args.inputs, args.output, vocab_size=args.vocab_size, parquet=parquet, progress=_ParquetProgress(t0),
+                      key=args.key, tokenizer=args.tokenizer, text_key=args.text_key, append_eos=args.append_eos).to_dict()
+    seconds = time.perf_counter() - t0
+    st["seconds"] = round(seconds, 3)
+    st["tokens_per_s"] = round(st["tokens"] / seconds) if seconds > 0 else None
     _show(f"built {args.output}", st, args.json)
     return 0
+
+
+class _ParquetProgress:
+    """One line on stderr per finished row group, at most every half second (and for the last one)."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self.shown = 0.0
+
+    def __call__(self, p) -> None:
+        now = time.perf_counter()
+        last = p.file_index + 1 == p.files and p.row_group + 1 == p.row_groups
+        if now - self.shown < 0.5 and not last:
+            return
+        self.shown = now
+        rate = p.tokens / (now - self.t0) if now > self.t0 else 0.0
+        print(f"file {p.file_index + 1}/{p.files} {Path(p.file).name}: row group {p.row_group + 1}/{p.row_groups}, "
+              f"{p.rows} documents, {p.tokens} tokens ({rate:,.0f} tokens/s)", file=sys.stderr, flush=True)
 
 
 def _inspect(args) -> int:
@@ -128,8 +181,19 @@ def _pack(args) -> int:
 
         t1 = time.perf_counter()
         packed = PackedDataset(ds, plan, check_source=False)  # the plan was just made from ds
-        man = write_packed_shards(packed, args.shards, shard_size=args.shard_size)
+        man = write_packed_shards(packed, args.shards, shard_size=args.shard_size, format=args.format)
         result.update({"shards_url": args.shards, "shards": len(man.shards), "shard_bytes": man.total_bytes,
                        "shard_seconds": round(time.perf_counter() - t1, 3)})
     _show(f"packed {ds.prefix} into {args.seq_len}-token sequences", result, args.json)
+    return 0
+
+
+def _export(args) -> int:
+    from tierio.data.export import export_dataset
+
+    t0 = time.perf_counter()
+    man = export_dataset(args.source, args.dest, format=args.format, shard_size=args.shard_size, cache_dir=args.cache_dir)
+    _show(f"exported {args.source}", {"dest": args.dest, "format": args.format, "samples": man.num_samples,
+                                      "shards": len(man.shards), "shard_bytes": man.total_bytes,
+                                      "seconds": round(time.perf_counter() - t0, 3)}, args.json)
     return 0

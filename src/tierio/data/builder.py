@@ -1,7 +1,8 @@
 """Build indexed token datasets from streams of documents; merge several into one.
 
-Every input is read as an iterator of documents, so a corpus of any size is built with memory
-bounded by one document plus the index (12 bytes per document). When the vocabulary size is
+Every input is read as an iterator of documents (or of :class:`DocumentBatch`, many documents at
+once, as Parquet row groups come), so a corpus of any size is built with memory bounded by one
+document or batch plus the index (12 bytes per document). When the vocabulary size is
 not known up front the tokens are written as int32 and narrowed to uint16 at the end if every
 id fits, in one streaming pass: the smallest fitting dtype either way.
 """
@@ -9,7 +10,7 @@ id fits, in one streaming pass: the smallest fitting dtype either way.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,20 @@ class BuildStats:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class DocumentBatch:
+    """Many documents at once: ``tokens`` concatenated, ``lengths`` the token count of each;
+    ``locate(i)`` says where document ``i`` of the batch came from (for error messages)."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    locate: Callable[[int], str]
+
+    def document_of(self, token_index: int) -> int:
+        """The document of the batch that holds token ``token_index``."""
+        return int(np.searchsorted(np.cumsum(self.lengths), token_index, side="right"))
 
 
 # -- inputs ---------------------------------------------------------------------------------
@@ -175,7 +190,52 @@ def iter_input(
         if append_eos is None:
             return docs
         return (np.append(d, append_eos) for d in docs)
-    raise ConfigError(f"{p}: unknown input type {p.suffix!r}; use .jsonl (token ids), .npy, or text with --tokenizer")
+    raise ConfigError(f"{p}: unknown input type {p.suffix!r}; use .jsonl (token ids), .npy, .parquet, or text with --tokenizer")
+
+
+def iter_inputs(paths: Sequence[str | Path], *, parquet: Any = None, progress: Any = None, declared: int | None = None,
+                **options: Any) -> Iterator[Any]:
+    """Documents of several inputs in order. Parquet files and directories of them are read with
+    ``parquet`` (a :class:`tierio.data.parquet.ParquetColumns`, reporting to ``progress``, holding
+    every id to ``declared`` when given); the other inputs with :func:`iter_input` and ``options``."""
+    from tierio.data.parquet import iter_parquet  # pyarrow only for Parquet input
+
+    if _parquet_inputs(paths):
+        if parquet is None:
+            raise ConfigError("Parquet input needs a column: --column COLUMN (token-id lists) or "
+                              "--text-column COLUMN --tokenizer tokenizer.json")
+        yield from iter_parquet(paths, parquet, progress, declared)
+        return
+    for path in paths:
+        yield from iter_input(path, **options)
+
+
+def _parquet_inputs(paths: Sequence[str | Path]) -> bool:
+    from tierio.data.parquet import is_parquet
+
+    if not paths:
+        raise ConfigError("no input given; name at least one input file or directory")
+    kinds = [is_parquet(p) for p in paths]
+    if any(kinds) and not all(kinds):
+        raise ConfigError("Parquet inputs cannot be mixed with other kinds in one build; build them separately and merge")
+    return all(kinds)
+
+
+def build_inputs(paths: Sequence[str | Path], prefix: str | Path, *, vocab_size: int | None = None, parquet: Any = None,
+                 progress: Any = None, **options: Any) -> BuildStats:
+    """Build ``prefix`` from input files (what `tierio data build` runs). For Parquet token-id lists
+    whose column statistics give the largest id, the token dtype is sized from them up front: one
+    pass over the tokens instead of writing int32 and narrowing afterwards."""
+    dtype, declared = None, None
+    if vocab_size is None and parquet is not None and _parquet_inputs(paths):
+        from tierio.data.parquet import declared_max
+
+        declared = declared_max(paths, parquet)
+        if declared is not None:
+            eos = parquet.append_eos if parquet.append_eos is not None else -1
+            dtype = optimal_dtype(max(declared, eos) + 1)
+    docs = iter_inputs(paths, parquet=parquet, progress=progress, declared=declared, **options)
+    return build_indexed(docs, prefix, vocab_size=vocab_size, dtype=dtype)
 
 
 # -- building -------------------------------------------------------------------------------
@@ -193,19 +253,30 @@ def build_indexed(
     max_id = -1
     with IndexedDatasetWriter(prefix, dtype=dt) as w:
         for doc in documents:
+            if isinstance(doc, DocumentBatch):
+                max_id = max(max_id, _check_ids(doc.tokens, vocab_size, lambda i, b=doc: b.locate(b.document_of(i))))
+                w.add_documents(doc.tokens, doc.lengths)
+                continue
             arr = np.asarray(doc)
-            if arr.size:
-                if arr.dtype.kind in "iu":
-                    lo, hi = int(arr.min()), int(arr.max())
-                    if lo < 0:
-                        raise FormatError(f"document {w.documents}: negative token id {lo}; token ids start at 0")
-                    if vocab_size is not None and hi >= vocab_size:
-                        raise FormatError(f"document {w.documents}: token id {hi} >= vocabulary size {vocab_size}")
-                    max_id = max(max_id, hi)
+            max_id = max(max_id, _check_ids(arr, vocab_size, lambda i, n=w.documents: f"document {n}"))
             w.add_document(arr)
         # narrowed before the pair is published: the old dataset stays until the new one is whole
         w.finalize(np.uint16 if narrow_later and max_id < UINT16_VOCAB_LIMIT else None)
     return _stats(prefix, max_id)
+
+
+def _check_ids(arr: np.ndarray, vocab_size: int | None, where: Callable[[int], str]) -> int:
+    """The largest id of ``arr``, after checking every id is in range (``where(i)`` names token i's place)."""
+    if not arr.size or arr.dtype.kind not in "iu":
+        return -1  # empty, or not integers: the writer refuses the latter with its own message
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0:
+        i = int(np.argmax(arr < 0))
+        raise FormatError(f"{where(i)}: negative token id {int(arr[i])}; token ids start at 0")
+    if vocab_size is not None and hi >= vocab_size:
+        i = int(np.argmax(arr >= vocab_size))
+        raise FormatError(f"{where(i)}: token id {int(arr[i])} >= vocabulary size {vocab_size}")
+    return hi
 
 
 def _stats(prefix: str | Path, max_id: int | None) -> BuildStats:

@@ -3,8 +3,11 @@
 A thin user of :class:`tierio.storage.cache.NodeCache`, which owns pins, eviction, reservations,
 atomic fills and fork safety (see there), shared by every process of a node:
 
-* **Verified.** A shard is downloaded into the fill's scratch directory, its xxh3 compared with
-  the manifest's, and only then renamed into place. Its cache key holds the store, the shard key,
+* **Verified, read once.** A shard is downloaded into the fill's scratch directory and only then
+  renamed into place. A columns shard comes in windows of the dataset's checksum window, a few
+  in parallel, each compared with its xxh3 from the manifest while it is in memory and then
+  written at its offset, so nothing is read back to verify it and its pages stay in the page cache
+  for the reader that maps it next; a tar shard is checked against its whole-file xxh3. Its cache key holds the store, the shard key,
   the xxh3 and the size, so a changed object never matches an old copy; the file name is derived
   from that key by the cache, never taken from the manifest.
 * **Bounded.** ``limit`` bytes of shards, downloads in flight included; least recently used shards
@@ -17,13 +20,23 @@ atomic fills and fork safety (see there), shared by every process of a node:
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from tierio.errors import ConfigError, DiskFullError, NotFoundError
+import xxhash
+
+from tierio.errors import ConfigError, DiskFullError, IntegrityError, NotFoundError
+from tierio.io.buffers import BufferPool
+from tierio.io.engine import Window, Windowing, read_range
+from tierio.io.files import os_error, pwrite_all
 from tierio.io.untrusted import check_int
 from tierio.storage.base import Store
 from tierio.storage.cache import CacheOptions, FillPlan, NodeCache, Pin, entry_name, release_fd
 from tierio.data.shards import ShardInfo, verify_file
+
+WINDOWS_IN_FLIGHT = 4  # ranged GETs per shard download: enough to hide a request's latency
 
 
 def shard_size(info: ShardInfo, of: str = "") -> int:
@@ -52,11 +65,13 @@ class ShardCache:
         self.limit = int(limit)
         if self.limit <= 0:
             raise ConfigError(f"cache_limit must be positive, got {limit}")
-        self.node = NodeCache(cache_dir, CacheOptions(limit=self.limit, wait_timeout=wait_timeout))
+        self.node = NodeCache(cache_dir, CacheOptions(limit=self.limit, wait_timeout=wait_timeout, name="shards"))
         self.dir = self.node.root
         self.downloaded_bytes = 0
         self.hits = 0
         self.misses = 0
+        # window buffers, reused: two downloads (a read and a prefetch) of WINDOWS_IN_FLIGHT each
+        self._buffers = BufferPool(budget_bytes=None, pin=False, max_buffers=2 * WINDOWS_IN_FLIGHT)
 
     # -- names -------------------------------------------------------------------------------
     def key(self, info: ShardInfo) -> str:
@@ -79,6 +94,9 @@ class ShardCache:
         where = f"shard {info.key} of {self.store.url}"
 
         def plan() -> FillPlan:
+            if info.windows:  # verified window by window as it arrives, flushed to the disk behind the reader
+                return FillPlan(info.size, lambda target: self._download_windows(info, target, where), where,
+                                durable=False)
             return FillPlan(info.size, lambda target: self._download(info, target, where), where,
                             verify=lambda target: verify_file(target, info.xxh3, info.size, where))
 
@@ -103,9 +121,43 @@ class ShardCache:
         pin = self.pin(info)
         return pin.path, pin.fd
 
-    def _download(self, info: ShardInfo, target: Path, where: str) -> None:
+    def _download_windows(self, info: ShardInfo, target: Path, where: str) -> None:
+        """Ranged reads of ``info.window`` bytes, each checked against its xxh3 and written at its
+        offset, buffered: the pages stay in the page cache for the reader that maps the shard next,
+        and the cache flushes them to the disk after the commit, off the reader's path."""
         try:
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise os_error(exc, target, "creating") from exc
+
+        def window(w: Window) -> None:
+            buf = self._buffers.acquire(w.length)
+            try:
+                view = buf.view[: w.length]
+                self.store.read_into(info.key, w.offset, view)
+                got = f"{xxhash.xxh3_64_intdigest(view):016x}"
+                want = info.windows[w.offset // info.window]
+                if got != want:
+                    raise IntegrityError(f"{where}: bytes {w.offset}..{w.end} do not match their checksum (expected "
+                                         f"xxh3 {want}, got {got}); the copy on the store is corrupt")
+                pwrite_all(fd, view, w.offset, target)
+            finally:
+                self._buffers.release(buf)
+
+        try:
+            with self._store_errors(where):
+                read_range(0, info.size, Windowing(info.window, WINDOWS_IN_FLIGHT, grid=info.window), window)
+        finally:
+            os.close(fd)
+
+    def _download(self, info: ShardInfo, target: Path, where: str) -> None:
+        with self._store_errors(where):
             self.store.get_file(info.key, target)
+
+    @contextmanager
+    def _store_errors(self, where: str) -> Iterator[None]:
+        try:
+            yield
         except NotFoundError:
             raise NotFoundError(
                 f"{where} is listed in the manifest but missing on the store; the dataset is incomplete there: "

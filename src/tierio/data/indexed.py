@@ -256,6 +256,24 @@ class IndexedDatasetWriter:
             self._modes.extend(np.zeros(len(lengths), dtype=np.int8))
         self._docs.append(len(self._lengths))
 
+    def add_documents(self, tokens: Any, lengths: Any) -> None:
+        """Append many one-sequence documents at once: ``tokens`` concatenated, ``lengths`` each one's
+        token count (a whole Parquet batch in one write instead of one call per document)."""
+        arr = self._as_tokens(tokens)
+        lens = np.asarray(lengths)
+        if lens.ndim != 1 or (lens.size and lens.dtype.kind not in "iu"):
+            raise ConfigError(f"document lengths must be a 1-D array of integers, got {lens.dtype} of shape {lens.shape}")
+        if lens.size and (int(lens.min()) < 0 or int(lens.max()) > np.iinfo(np.int32).max):
+            raise ConfigError("document lengths must be between 0 and 2**31-1 tokens")
+        if int(lens.sum(dtype=np.int64)) != len(arr):
+            raise ConfigError(f"document lengths add up to {int(lens.sum(dtype=np.int64))} tokens, not the {len(arr)} given")
+        self._write(arr)
+        base = len(self._lengths)
+        self._lengths.extend(lens.astype(np.int32, copy=False))
+        if self._modes is not None:
+            self._modes.extend(np.zeros(len(lens), dtype=np.int8))
+        self._docs.extend(np.arange(base + 1, base + len(lens) + 1, dtype=np.int64))
+
     def add_index(self, prefix: str | Path) -> None:
         """Append a whole existing dataset (same dtype); its .bin is copied in 8 MiB pieces."""
         other = IndexedDataset(prefix)

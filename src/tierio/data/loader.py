@@ -17,6 +17,9 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
+import numpy as np
+
+from tierio import events
 from tierio.errors import ConfigError
 
 
@@ -93,7 +96,10 @@ def build_loader(dataset: Any, batch_size: int, *, collate_fn: Callable | None =
     """A ``torch.utils.data.DataLoader`` with the production settings (``overrides`` win).
 
     For a TokenWindowDataset with workers the loader is wrapped so that workers fill a shared
-    BatchRing in place (``ring=False`` turns that off); iteration yields the same batches.
+    BatchRing in place (``ring=False`` turns that off); iteration yields the same batches. A
+    StreamingDataset without a per-sample ``transform`` or ``collate_fn`` hands the DataLoader
+    whole batches taken from its shards (``StreamingDataset.iter_batches``): no per-sample
+    collation, the same batches.
     """
     import torch
     from torch.utils.data import DataLoader, IterableDataset
@@ -117,7 +123,12 @@ def build_loader(dataset: Any, batch_size: int, *, collate_fn: Callable | None =
             )
     elif shuffle:
         kw["generator"] = torch.Generator().manual_seed(seed)
+    from tierio.data.streaming import StreamingDataset
     from tierio.data.window import TokenWindowDataset, collate_windows
+
+    if isinstance(dataset, StreamingDataset) and collate_fn is None and dataset.transform is None:
+        drop_last = bool(kw.pop("drop_last", False))  # the dataset drops a short batch: the loader gets whole ones
+        return StreamLoader(dataset.batched(drop_last), kw)
 
     windows = isinstance(dataset, TokenWindowDataset)
     if collate_fn is None and windows:
@@ -132,6 +143,68 @@ def build_loader(dataset: Any, batch_size: int, *, collate_fn: Callable | None =
         dataset.use_ring(br)
         return RingLoader(loader, br, pin=bool(kw.get("pin_memory")))
     return loader
+
+
+class StreamLoader:
+    """Whole batches of a StreamingDataset as tensors (what ``build_loader`` gives for one).
+
+    Without workers the batches come straight from the dataset in this process: a DataLoader in
+    between would only add its per-batch bookkeeping. With workers it is a DataLoader over the
+    batches (``batch_size=None``) whose workers write the fixed-size fields into a FieldRing."""
+
+    def __init__(self, stream: Any, loader_kwargs: dict[str, Any]) -> None:
+        from torch.utils.data import DataLoader
+
+        from tierio.data.ring import FieldRing
+
+        self.stream = stream
+        self.pin = bool(loader_kwargs.get("pin_memory"))
+        workers = int(loader_kwargs.get("num_workers", 0))
+        self.ring: FieldRing | None = None
+        self.loader = None
+        if workers > 0:
+            fields = stream.ring_fields()
+            if fields:
+                slots = int(loader_kwargs.get("prefetch_factor") or 2) + 2  # in flight + the one in use + a spare
+                self.ring = FieldRing(workers, slots, fields, stream.batch_size)
+            stream.use_ring(self.ring)
+            self.loader = DataLoader(stream, batch_size=None, **loader_kwargs)
+
+    @property
+    def persistent_workers(self) -> bool:
+        return bool(getattr(self.loader, "persistent_workers", False))
+
+    @property
+    def _iterator(self) -> Any:
+        return getattr(self.loader, "_iterator", None)
+
+    def __iter__(self):
+        from tierio.data.ring import RingBatch
+
+        if self.loader is None:
+            for batch in self.stream:
+                yield _as_tensors(batch, self.pin)
+            return
+        for batch in self.loader:
+            if isinstance(batch, RingBatch):  # pinned copies free the slot at once
+                batch = _as_tensors(self.ring.materialize(batch), self.pin)  # type: ignore[union-attr]
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.stream)
+
+
+def _as_tensors(batch: dict[str, Any], pin: bool) -> dict[str, Any]:
+    import torch
+
+    def one(v: Any) -> Any:
+        if isinstance(v, np.ndarray):
+            v = torch.from_numpy(v)
+        elif isinstance(v, list):
+            return [one(x) for x in v]
+        return v.pin_memory() if pin and isinstance(v, torch.Tensor) else v
+
+    return {k: one(v) for k, v in batch.items()}
 
 
 class RingLoader:
@@ -166,6 +239,9 @@ def _batch_len(batch: Any) -> int:
         for v in batch.values():
             if hasattr(v, "shape") and len(v.shape) > 0:
                 return int(v.shape[0])
+        for v in batch.values():
+            if isinstance(v, (list, tuple)):  # a variable-size field: one array per sample
+                return len(v)
     if isinstance(batch, (list, tuple)) and batch:
         first = batch[0]
         if hasattr(first, "shape") and len(first.shape) > 0:
@@ -212,7 +288,7 @@ class StatefulLoader:
                 self._loader = build_loader(self.dataset, self.batch_size, collate_fn=self._collate,
                                             settings=self._settings, **self._overrides)
         self._in_epoch = True
-        for batch in self._loader:
+        for batch in events.timed(self._loader, "StatefulLoader"):
             self.position += _batch_len(batch)
             yield batch
         self._in_epoch = False

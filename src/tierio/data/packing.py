@@ -38,7 +38,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from tierio.data.shards import decode_npy
+from tierio.data.tar import decode_npy
 from tierio.errors import ConfigError, FormatError, NotFoundError
 from tierio.io.durable import atomic_write
 from tierio.io.paths import open_regular

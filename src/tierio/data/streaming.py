@@ -1,4 +1,4 @@
-"""StreamingDataset: samples from tar shards in any store, through a local NVMe cache.
+"""StreamingDataset: samples, or whole batches, from shards in any store, through a local cache.
 
 The order of an epoch is a pure function of (seed, epoch) and the manifest:
 
@@ -15,6 +15,11 @@ The order of an epoch is a pure function of (seed, epoch) and the manifest:
 Because the position in an epoch is just "samples consumed by this rank", ``state_dict()``
 is a few integers, and resuming, even with another number of workers, continues with the
 exact next sample: nothing repeated, nothing skipped.
+
+Batches are taken whole from the shards (``iter_batches``): a batch's ids are found with a few
+vectorised steps and each fixed-size field is gathered from the shard mapping in one copy, with
+no per-sample work. Iterating the dataset itself yields the rows of those batches one by one;
+``build_loader`` and ``StatefulLoader`` hand the DataLoader whole batches.
 """
 
 from __future__ import annotations
@@ -23,19 +28,19 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tierio.data.cache import ShardCache
+from tierio.data.reader import ReaderBudget, ReaderOptions, ShardReader
+from tierio.data.ring import FieldRing, RingBatch
+from tierio.data.shards import Manifest, load_manifest
 from tierio.dist import rank_world
-from tierio.errors import ConfigError, FormatError, IntegrityError, NotFoundError
-from tierio.storage.base import Store, read_bytes
+from tierio.errors import ConfigError, FormatError
+from tierio.storage.base import Store
 from tierio.units import parse_size
-from tierio.data.cache import ShardCache, check_fits, largest_shard, release_fd
-from tierio.data.shards import Manifest, ShardFile, ShardInfo, load_manifest, parse_index
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +63,17 @@ def _worker() -> tuple[int, int]:
 
 
 class EpochOrder:
-    """The sample order of one epoch: ``positions(a, b)`` -> global sample ids at [a, b)."""
+    """The sample order of one epoch: ``positions(a, b)`` -> global sample ids at [a, b).
 
-    def __init__(self, counts: np.ndarray, seed: int, epoch: int, shuffle: bool, buffer: int) -> None:
+    ``before_permuting(shard)`` is called before a shard's samples are permuted (an array of its
+    declared sample count is made then): the dataset checks there that the shard's real size is
+    its declared size, which bounds that count."""
+
+    def __init__(self, counts: np.ndarray, seed: int, epoch: int, shuffle: bool, buffer: int,
+                 before_permuting: Callable[[int], None] | None = None) -> None:
         self.counts = np.asarray(counts, dtype=np.int64)
         self.seed, self.epoch, self.shuffle = seed, epoch, shuffle
+        self.before_permuting = before_permuting
         self.buffer = max(1, buffer) if shuffle else 1
         n = len(self.counts)
         self.shard_order = self._rng(0).permutation(n) if shuffle else np.arange(n)
@@ -81,6 +92,8 @@ class EpochOrder:
     def _within(self, shard: int) -> np.ndarray:
         perm = self._perm_cache.get(shard)
         if perm is None:
+            if self.before_permuting is not None:
+                self.before_permuting(shard)
             perm = self._rng(1, shard).permutation(int(self.counts[shard])) if self.shuffle else np.arange(self.counts[shard])
             self._perm_cache[shard] = perm
             if len(self._perm_cache) > 8:
@@ -127,32 +140,6 @@ class EpochOrder:
         return out
 
 
-@dataclass(frozen=True)
-class ReaderBudget:
-    """How many shards one reader holds open (pinned in the cache) and prefetches."""
-
-    open_shards: int
-    prefetch: int
-
-    @classmethod
-    def share(cls, slots: int, readers: int, max_open: int, prefetch: int) -> ReaderBudget:
-        """A reader's share of a cache that holds ``slots`` of the largest shard, among ``readers``
-        on the node: its pins, one download of its own and its prefetches fit that share, so it
-        never waits on its own pins. With a share of one slot it holds one shard and closes it
-        before downloading the next."""
-        mine = max(1, slots // max(1, readers))
-        open_shards = max(1, min(max_open, mine - 1))
-        return cls(open_shards, max(0, min(prefetch, mine - open_shards - 1)))
-
-
-def _local_world_size() -> int:
-    """Ranks on this node (set by torchrun); they share the node's cache."""
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
-
-
 class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
     """Iterate the samples of a shard dataset at ``url`` through a local cache.
 
@@ -163,9 +150,12 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         waits on its own pins: the shards it holds open (at most ``max_open_shards``) and prefetches
         are sized so that, with one more download, they fit its share of the limit (the limit
         divided among the DataLoader workers and the node's ranks, ``LOCAL_WORLD_SIZE``).
-    batch_size: the DataLoader batch size; workers interleave whole batches (see module doc).
-    transform: applied to each sample (a dict of field -> numpy array) before it is yielded.
-    copy: hand out writable copies (default) instead of read-only views of the shard mapping.
+    batch_size: the batch size; ``iter_batches`` yields batches of it, and DataLoader workers
+        interleave whole batches (see module doc).
+    transform: applied to each sample (a dict of field -> numpy array) when iterating samples.
+    copy: hand out writable copies (default) instead of read-only views of the shard mapping
+        (a batch of a fixed-size field is then one gather; without it, a run of consecutive
+        samples is a view).
     """
 
     def __init__(
@@ -186,7 +176,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         max_open_shards: int = 4,
         copy: bool = True,
     ) -> None:
-        from tierio.storage import LocalStore, open_store
+        from tierio.storage import open_store
 
         self.store = url if not isinstance(url, (str, Path)) else open_store(url)
         self.url = self.store.url
@@ -197,19 +187,10 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         self.rank, self.world_size = rank, world_size
         self.shuffle, self.seed, self.shuffle_buffer = shuffle, int(seed), int(shuffle_buffer)
         self.batch_size = batch_size
-        self.prefetch = max(0, prefetch)
         self.transform = transform
-        self.max_open_shards = max(1, max_open_shards)
         self.copy = copy
-        self.cache_limit = parse_size(cache_limit)
-        self.cache_dir = None if cache_dir is None else Path(cache_dir)
-        self.wait_timeout = wait_timeout
-        if self.cache_dir is None:
-            if not isinstance(self.store, LocalStore):
-                raise ConfigError(f"{self.url} is remote: pass cache_dir (a local NVMe directory) to stream it")
-        self._largest = largest_shard(self.manifest.shards, of=self.url)  # every size checked
-        if self.cache_dir is not None and self.manifest.shards:
-            check_fits(max(self.manifest.shards, key=lambda s: s.size), self.cache_limit, of=self.url)
+        self.options = ReaderOptions(None if cache_dir is None else Path(cache_dir), parse_size(cache_limit),
+                                     wait_timeout, max(1, max_open_shards), max(0, prefetch))
         self.samples_per_rank = self.manifest.num_samples // world_size
         self._counts = np.asarray([s.samples for s in self.manifest.shards], dtype=np.int64)
         # position bookkeeping: what the next __iter__ will produce, and what this process consumed
@@ -224,16 +205,11 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         # with the fork start method workers inherit this object without pickling: the pid
         # tells a worker to start its own runtime instead of using the parent's threads/files
         self._pid = os.getpid()
-        self._cache: ShardCache | None = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._pending: dict[int, Future] = {}
-        self._indexes: dict[int, np.ndarray] = {}
-        self._open: OrderedDict[int, ShardFile] = OrderedDict()
-        self._budget = ReaderBudget(self.max_open_shards, self.prefetch)
+        self._reader = ShardReader(self.store, self.manifest, self.options)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        for k in ("store", "_cache", "_pool", "_pending", "_indexes", "_open"):
+        for k in ("store", "_reader"):
             state.pop(k, None)  # clients, threads and open files do not cross processes
         return state
 
@@ -254,103 +230,23 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
     @property
     def cache(self) -> ShardCache | None:
         self._check_process()
-        if self._cache is None and self.cache_dir is not None:
-            self._cache = ShardCache(self.store, self.cache_dir, self.cache_limit, wait_timeout=self.wait_timeout)
-        return self._cache
+        return self._reader.cache
 
-    # -- order ------------------------------------------------------------------------------
-    def set_epoch(self, epoch: int) -> None:
-        """Start the next iteration at the beginning of ``epoch``."""
-        self._next_epoch, self._next_start = int(epoch), 0
+    @property
+    def cache_dir(self) -> Path | None:
+        return self.options.cache_dir
 
-    def epoch_order(self, epoch: int) -> EpochOrder:
-        return EpochOrder(self._counts, self.seed, epoch, self.shuffle, self.shuffle_buffer)
+    @property
+    def cache_limit(self) -> int:
+        return self.options.cache_limit
 
-    def rank_sample_ids(self, epoch: int) -> np.ndarray:
-        """Every global sample id this rank sees in ``epoch``, in order (for checks and tools)."""
-        base = self.rank * self.samples_per_rank
-        return self.epoch_order(epoch).positions(base, base + self.samples_per_rank)
-
-    # -- shards -----------------------------------------------------------------------------
-    def _index(self, shard: int) -> np.ndarray:
-        idx = self._indexes.get(shard)
-        if idx is None:
-            info = self.manifest.shards[shard]
-            where = f"{self.url}/{info.index_key}"
-            nfields = len(self.manifest.fields)
-            cache = self.cache
-            raw = cache.read_index(info) if cache is not None else None
-            if raw is not None:
-                try:
-                    idx = parse_index(raw, info, nfields, f"{where} (cached in {cache.dir})")  # type: ignore[union-attr]
-                except (IntegrityError, FormatError):
-                    idx = None  # a damaged cached copy: fetch it again
-            if idx is None:
-                try:
-                    raw = read_bytes(self.store, info.index_key)
-                except NotFoundError:
-                    raise NotFoundError(f"{where} is listed in the manifest but missing on the store; re-upload the dataset") from None
-                idx = parse_index(raw, info, nfields, where)
-                if cache is not None:
-                    cache.put_index(info, raw)  # best effort: the index is small
-            self._indexes[shard] = idx
-        return idx
-
-    def _fetch(self, shard: int) -> None:
-        cache = self.cache
-        if cache is not None:
-            cache.ensure(self.manifest.shards[shard])
-
-    def _prefetch(self, shards: list[int]) -> None:
-        if not shards or self.cache_dir is None:
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=min(2, len(shards)), thread_name_prefix="tierio-prefetch")
-        for s in shards:
-            if s not in self._open and s not in self._pending:
-                self._pending[s] = self._pool.submit(self._fetch, s)
-
-    def _shard(self, shard: int) -> ShardFile:
-        sf = self._open.get(shard)
-        if sf is not None:
-            self._open.move_to_end(shard)
-            return sf
-        fut = self._pending.pop(shard, None)
-        if fut is not None:
-            fut.result()  # re-raises a failed prefetch here, where the shard is needed
-        info: ShardInfo = self.manifest.shards[shard]
-        # Unpin before pinning another: the download of this shard may need the room they hold.
-        while len(self._open) >= self._budget.open_shards:
-            _, old = self._open.popitem(last=False)
-            old.close()  # releases its cache lock
-        if self.cache is None:
-            sf = ShardFile(self.store.path(info.key), self._index(shard), self.manifest.fields)  # type: ignore[attr-defined]
-        else:
-            path, fd = self.cache.open_locked(info)  # the shard first: its index is cached only beside it
-            try:
-                index = self._index(shard)
-            except BaseException:
-                release_fd(fd)
-                raise
-            sf = ShardFile(path, index, self.manifest.fields, on_close=lambda: release_fd(fd))
-        self._open[shard] = sf
-        return sf
+    @property
+    def _budget(self) -> ReaderBudget:
+        return self._reader.budget
 
     def close(self) -> None:
-        for sf in self._open.values():
-            sf.close()
-        self._open.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-        self._pending.clear()
-
-    # -- iteration --------------------------------------------------------------------------
-    def _reader_budget(self, workers: int) -> ReaderBudget:
-        if self.cache_dir is None or not self._largest:
-            return ReaderBudget(self.max_open_shards, self.prefetch)
-        readers = workers * max(1, _local_world_size())
-        return ReaderBudget.share(self.cache_limit // self._largest, readers, self.max_open_shards, self.prefetch)
+        """Unpin every open shard and stop prefetching."""
+        self._reader.close()
 
     def _check_process(self) -> None:
         if self._pid != os.getpid():
@@ -359,42 +255,74 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
             self.store = self._open_store(self.url)
             self._init_runtime()
 
-    def __iter__(self) -> Iterator[Any]:
+    # -- order ------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next iteration at the beginning of ``epoch``."""
+        self._next_epoch, self._next_start = int(epoch), 0
+
+    def epoch_order(self, epoch: int) -> EpochOrder:
+        self._check_process()
+        return EpochOrder(self._counts, self.seed, epoch, self.shuffle, self.shuffle_buffer,
+                          before_permuting=self._reader.check_size)
+
+    def rank_sample_ids(self, epoch: int) -> np.ndarray:
+        """Every global sample id this rank sees in ``epoch``, in order (for checks and tools)."""
+        base = self.rank * self.samples_per_rank
+        return self.epoch_order(epoch).positions(base, base + self.samples_per_rank)
+
+    # -- iteration --------------------------------------------------------------------------
+    def _my_batches(self) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """This process's batches of the next epoch: (rank position where the batch starts, shard
+        of each sample, index of each sample in its shard). Starts where ``load_state_dict`` or
+        ``set_epoch`` said, then moves the next iteration to the following epoch."""
         self._check_process()
         epoch, start = self._next_epoch, self._next_start
         self._next_epoch, self._next_start = epoch + 1, 0
         self._cur_epoch, self._cur_pos = epoch, start
         w, nw = _worker()
-        self._budget = self._reader_budget(nw)
+        reader = self._reader
+        reader.set_workers(nw)
         order = self.epoch_order(epoch)
         n = self.samples_per_rank
         base = self.rank * n
         B = self.batch_size
-        chunk = max(self.shuffle_buffer, B * nw, 256)
+        step = B * nw  # one batch of every worker
+        chunk = -(-max(self.shuffle_buffer, 256) // step) * step
         pos = start
         try:
             while pos < n:
                 end = min(pos + chunk, n)
-                local = np.arange(pos, end, dtype=np.int64)
-                mine = ((local - start) // B) % nw == w
                 gids = order.positions(base + pos, base + end)
-                self._prefetch(order.upcoming_shards(base + end, self._budget.prefetch, base + n))
+                reader.prefetch(order.upcoming_shards(base + end, reader.budget.prefetch, base + n))
                 shards = order.shard_of(gids)
-                first = order.first_sample
-                needed = set(shards[mine].tolist())
-                for done in [k for k in self._open if k not in needed]:
-                    self._open.pop(done).close()  # unpin shards this chunk does not read
-                for g, s, keep in zip(gids.tolist(), shards.tolist(), mine.tolist()):
-                    self._cur_pos += 1
-                    if not keep:
-                        continue
-                    sample = self._shard(s).sample(g - int(first[s]))
-                    if self.copy:  # writable arrays that outlive the shard's mapping
-                        sample = {k: v.copy() for k, v in sample.items()}
-                    yield self.transform(sample) if self.transform is not None else sample
+                local = gids - order.first_sample[shards]
+                mine = [(a, min(a + B, end - pos)) for a in range(w * B, end - pos, step)]
+                reader.keep_only(set(np.unique(np.concatenate([shards[a:b] for a, b in mine])).tolist()) if mine else set())
+                for a, b in mine:
+                    yield pos + a, shards[a:b], local[a:b]
                 pos = end
         finally:
-            self.close()
+            reader.close()
+
+    def iter_batches(self) -> Iterator[dict[str, Any]]:
+        """This process's batches of the next epoch (with DataLoader workers: this worker's): dicts of
+        field -> array ``[batch, ...]`` for fixed-size fields (one gather from the shard each) and
+        field -> list of arrays for variable-size fields. The last batch of an epoch may be short."""
+        for at, shards, local in self._my_batches():
+            self._cur_pos = at + len(local)
+            yield self._reader.take(shards, local, self.copy)
+
+    def __iter__(self) -> Iterator[Any]:
+        for at, shards, local in self._my_batches():
+            batch = self._reader.take(shards, local, self.copy)
+            for i in range(len(local)):
+                self._cur_pos = at + i + 1
+                sample = {k: v[i] for k, v in batch.items()}
+                yield self.transform(sample) if self.transform is not None else sample
+
+    def batched(self, drop_last: bool = False) -> BatchStream:
+        """This dataset as an iterable of whole batches, for ``DataLoader(..., batch_size=None)``."""
+        return BatchStream(self, drop_last)
 
     # -- resumption -------------------------------------------------------------------------
     def state_dict(self, consumed: int | None = None, epoch: int | None = None) -> dict[str, Any]:
@@ -435,6 +363,62 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         self.check_state(state)
         self._next_epoch, self._next_start = int(state["epoch"]), int(state["position"])
         self._cur_epoch, self._cur_pos = self._next_epoch, self._next_start
+
+
+class BatchStream(_Base):  # type: ignore[misc,valid-type]
+    """A StreamingDataset's whole batches as an iterable dataset (``StreamingDataset.batched``).
+
+    ``drop_last`` drops a short last batch of an epoch (a DataLoader cannot, once it is handed
+    whole batches). With a FieldRing (``use_ring``, before DataLoader workers start) a worker
+    gathers the fixed-size fields of each batch straight into its next free slot of shared
+    memory and sends only a ``RingBatch``; the loader turns that into tensors over the slot."""
+
+    def __init__(self, dataset: StreamingDataset, drop_last: bool = False) -> None:
+        self.dataset = dataset
+        self.drop_last = drop_last
+        self.batch_size = dataset.batch_size
+        self.ring: FieldRing | None = None
+
+    def ring_fields(self) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+        """The fixed-size fields of the dataset: what a FieldRing slot can hold."""
+        return [(t.name, t.dtype, t.shape) for t in self.dataset.manifest.types if not t.variable]
+
+    def use_ring(self, ring: FieldRing | None) -> None:
+        self.ring = ring
+
+    def __iter__(self) -> Iterator[Any]:
+        ds = self.dataset
+        ring = self.ring
+        worker = _worker_id() if ring is not None else None
+        for at, shards, local in ds._my_batches():
+            n = len(local)
+            if self.drop_last and n < self.batch_size:
+                return
+            ds._cur_pos = at + n
+            slot = ring.acquire(worker) if ring is not None and worker is not None else None
+            if slot is None:
+                yield ds._reader.take(shards, local, ds.copy)
+                continue
+            try:
+                views = ring.views(slot, n)  # type: ignore[union-attr]
+                got = ds._reader.take(shards, local, True, out=views)
+            except BaseException:
+                ring.release(slot)  # type: ignore[union-attr]
+                raise
+            yield RingBatch(slot, n, {k: v for k, v in got.items() if k not in views})
+
+    def __len__(self) -> int:
+        n = len(self.dataset)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+
+def _worker_id() -> int | None:
+    try:
+        from torch.utils.data import get_worker_info
+    except ImportError:  # pragma: no cover
+        return None
+    info = get_worker_info()
+    return None if info is None else info.id
 
 
 def packed_transform(seq_len: int, pad_id: int = 0) -> Callable[[dict[str, np.ndarray]], dict[str, Any]]:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierio.errors import ConfigError, FormatError
+from tierio.errors import FormatError, UnstorableError
 from tierio.format.slices import GlobalLeaf, TensorSlice, global_leaf, is_dtensor
 from tierio.io.untrusted import MAX_INT_DIGITS, brief
 
@@ -57,7 +57,7 @@ def _scalar(x: Any, where: str) -> Any:
         return x
     if isinstance(x, int):  # io.untrusted.loads refuses longer integers: refuse them when saving
         if abs(x) >= 10**MAX_INT_DIGITS:
-            raise ConfigError(f"integer at {where!r} has more than {MAX_INT_DIGITS} digits; store it as a string")
+            raise UnstorableError(f"integer at {where!r} has more than {MAX_INT_DIGITS} digits; store it as a string", where)
         return int(x)
     if isinstance(x, float):
         if math.isfinite(x):
@@ -65,7 +65,7 @@ def _scalar(x: Any, where: str) -> Any:
         return {"__float__": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
     if isinstance(x, tuple):
         return {"__tuple__": [_scalar(v, where) for v in x]}
-    raise ConfigError(f"dict key {x!r} of type {type(x).__name__} at {where!r} cannot be stored; use str or int keys")
+    raise UnstorableError(f"dict key {x!r} of type {type(x).__name__} at {where!r} cannot be stored; use str or int keys", where)
 
 
 def flatten(state: Any) -> FlatState:
@@ -82,7 +82,7 @@ def flatten(state: Any) -> FlatState:
 
     def tensor_leaf(t: torch.Tensor, path: list[str]) -> str:
         if t.layout != torch.strided:
-            raise ConfigError(f"tensor at {'/'.join(path)!r} has layout {t.layout}; convert it to a dense tensor first")
+            raise UnstorableError(f"tensor at {'/'.join(path)!r} has layout {t.layout}; convert it to a dense tensor first", "/".join(path))
         t = t.detach()
         key = None
         if t.numel() > 0:
@@ -97,19 +97,20 @@ def flatten(state: Any) -> FlatState:
 
     def walk(obj: Any, path: list[str], depth: int) -> Any:
         if depth > MAX_DEPTH:
-            raise ConfigError(f"state is nested deeper than {MAX_DEPTH} levels at {'/'.join(path)!r}")
+            raise UnstorableError(f"state is nested deeper than {MAX_DEPTH} levels at {'/'.join(path)!r}", "/".join(path))
         if isinstance(obj, TensorSlice) or is_dtensor(obj):
             name = name_for(path)
             leaf = global_leaf(obj, "/".join(path))
             if leaf.local.layout != torch.strided:
-                raise ConfigError(f"tensor at {'/'.join(path)!r} has layout {leaf.local.layout}; convert it to a dense tensor first")
+                raise UnstorableError(f"tensor at {'/'.join(path)!r} has layout {leaf.local.layout}; convert it to a dense tensor first",
+                                      "/".join(path))
             out.globals[name] = leaf
             return {"__global__": name}
         if isinstance(obj, torch.Tensor):
             return {"__tensor__": tensor_leaf(obj, path)}
         if isinstance(obj, np.ndarray):
             if obj.dtype.kind not in "biufc":
-                raise ConfigError(f"numpy array at {'/'.join(path)!r} has dtype {obj.dtype}; only numeric arrays can be stored")
+                raise UnstorableError(f"numpy array at {'/'.join(path)!r} has dtype {obj.dtype}; only numeric arrays can be stored", "/".join(path))
             arr = np.ascontiguousarray(obj)
             if not arr.flags.writeable:
                 arr = arr.copy()
@@ -130,9 +131,10 @@ def flatten(state: Any) -> FlatState:
             return {"__dtype__": str(obj).removeprefix("torch.")}
         if obj is None or isinstance(obj, (bool, int, float, str)):
             return _scalar(obj, "/".join(path))
-        raise ConfigError(
+        raise UnstorableError(
             f"cannot store {type(obj).__name__} at {'/'.join(path) or '<root>'!r} without pickle; "
-            "convert it to tensors, numbers, strings, lists or dicts (e.g. call .state_dict())"
+            "convert it to tensors, numbers, strings, lists or dicts (e.g. call .state_dict())",
+            "/".join(path),
         )
 
     out.tree = walk(state, [], 0)

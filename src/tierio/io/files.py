@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import logging
+import mmap
 import os
 import stat
 import time
@@ -55,6 +56,7 @@ from tierio.io.engine import (
     submit,
 )
 from tierio.io.limiter import TokenBucket
+from tierio.io.paths import open_regular
 from tierio.io.stats import IOStats, record
 from tierio.units import MiB
 
@@ -64,7 +66,7 @@ DEFAULT_CHUNK = 8 * MiB
 DEFAULT_DEPTH = 8
 
 __all__ = ["DEFAULT_CHUNK", "DEFAULT_DEPTH", "FileWriter", "bounce_pool", "copy_file", "executor", "hold_write_lock",
-           "open_file", "os_error", "pread_full", "pwrite_all", "read_file", "read_into", "write_file"]
+           "map_readonly", "open_file", "os_error", "pread_full", "pwrite_all", "read_file", "read_into", "write_file"]
 
 _warned_dirs: set[str] = set()
 
@@ -513,3 +515,26 @@ def copy_file(
         if own_src:
             os.close(src_fd)
     return record(IOStats("copy", str(dst), size, time.perf_counter() - t0, dst_direct, requests))
+
+
+def map_readonly(path: str | Path, *, populate: bool = False) -> mmap.mmap | bytes:
+    """A read-only shared mapping of the regular file at ``path`` (``b""`` when it is empty).
+
+    A FIFO or a device in its place is refused, never waited on. ``populate`` maps every page at
+    once (MAP_POPULATE): for a file just written or read, whose pages are in the page cache, that
+    is one call instead of a page fault per 4 KiB later. The mapping keeps the file readable after
+    it is unlinked, so an evicted cache entry stays valid for whoever still views it."""
+    try:
+        fd = open_regular(path)
+    except OSError as exc:
+        raise os_error(exc, path, "opening") from exc
+    try:
+        size = os.fstat(fd).st_size
+        if not size:
+            return b""
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+    except OSError as exc:
+        raise os_error(exc, path, "mapping") from exc
+    finally:
+        os.close(fd)

@@ -39,6 +39,7 @@ from typing import Any, Self
 
 import numpy as np
 
+from tierio import events
 from tierio.errors import ConfigError, DiskFullError, IntegrityError, NotFoundError, StorageError, TierioError
 from tierio.io.engine import run_windows, submit
 from tierio.io.files import bounce_pool
@@ -379,6 +380,7 @@ class KVCache:
             c.served_dram += tiers.count(Tier.DRAM)
             c.served_nvme += tiers.count(Tier.NVME)
             c.served_shared += tiers.count(Tier.SHARED)
+        events.emit(events.KvGet(len(keys), tiers.count(Tier.DRAM), tiers.count(Tier.NVME), tiers.count(Tier.SHARED)))
         return GetResult(prefix, tiers, len(keys) - prefix)
 
     def _copy_runs(self, held: dict[int, Copy], flat: np.ndarray) -> None:

@@ -10,6 +10,7 @@ this one. Layout under ``root``::
                           while it is filled, replaced or evicted
     .partial/<name>/      the scratch directory of a fill in progress
     .reserve/<name>       the bytes a fill in flight has claimed (locked by the filler while alive)
+    unsynced/<name>       an entry committed before its bytes reached the disk (see below)
     .lock                 held while counting and evicting
 
 * **Safe names by construction.** ``entry_name(key)`` derives every file name from the caller's
@@ -28,6 +29,12 @@ this one. Layout under ``root``::
 * **Atomic and verified.** A fill writes into ``.partial/<name>/``, the caller's verify hook may
   refuse the copy, and only then is it renamed into ``entries/``. A fill that dies leaves a
   reservation nobody holds; the next accounting pass removes it and its scratch directory.
+* **Committed at once, synced behind.** A fill that says so (``FillPlan.durable=False``) is
+  committed as soon as it is written and verified, and its bytes are flushed to the disk in the
+  background afterwards: readers use it from the page cache meanwhile. Until the flush is done a
+  marker ``unsynced/<name>`` says so; an entry whose marker is older than the running system (a
+  crash or a power loss came between commit and flush, so the file may hold zeros) is not used
+  but filled again.
 * **Fork-safe.** Every locked descriptor is registered and closed in a forked child (a DataLoader
   worker), which would otherwise hold its parent's pins for as long as it lives.
 
@@ -51,10 +58,13 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Literal
 
+from tierio import events
 from tierio.errors import ConfigError, DiskFullError, FormatError, NotFoundError, StorageError, TierioError
+from tierio.io.engine import submit
 from tierio.io.files import os_error
 from tierio.io.paths import key_parts, open_beneath, open_dir_beneath
 from tierio.io.space import disk_space
@@ -68,6 +78,7 @@ LOCKS = "locks"
 PARTIAL = ".partial"
 RESERVE = ".reserve"
 CACHE_LOCK = ".lock"
+UNSYNCED = "unsynced"  # made on first use: only fills that flush behind need it
 LAYOUT = (ENTRIES, INDEXES, LOCKS, PARTIAL, RESERVE)
 
 Kind = Literal["file", "dir"]
@@ -84,9 +95,19 @@ _LOCK_FDS: set[int] = set()
 _LOCK_FDS_GUARD = threading.Lock()
 
 
+def _hold_guard_for_fork() -> None:
+    # No fork between another thread's open of a lock file and its registration: the child would
+    # keep that descriptor, unregistered, and with it whatever lock the parent takes on it later.
+    _LOCK_FDS_GUARD.acquire()
+
+
+def _release_guard_after_fork() -> None:
+    _LOCK_FDS_GUARD.release()
+
+
 def _close_inherited_locks() -> None:
     global _LOCK_FDS_GUARD
-    _LOCK_FDS_GUARD = threading.Lock()  # a parent thread may have held it at the fork
+    _LOCK_FDS_GUARD = threading.Lock()  # the parent's is held across the fork
     for fd in _LOCK_FDS:
         try:
             os.close(fd)
@@ -96,7 +117,8 @@ def _close_inherited_locks() -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_inherited_locks)
+    os.register_at_fork(before=_hold_guard_for_fork, after_in_parent=_release_guard_after_fork,
+                        after_in_child=_close_inherited_locks)
 
 
 def release_fd(fd: int) -> None:
@@ -191,6 +213,7 @@ class CacheOptions:
     limit: int  # bytes of entries, fills in flight included
     wait_timeout: float = 60.0  # seconds a fill waits while every evictable entry is pinned
     index_limit: int | None = None  # bytes of cached indexes; None: limit // 16, at least 16 MiB
+    name: str = "cache"  # what the cache holds ("shards", "weights"), as reported to tierio.events
 
     @property
     def indexes(self) -> int:
@@ -209,6 +232,7 @@ class FillPlan:
     write: Callable[[Path], None]
     where: str  # what is being cached, for messages ("shard x.tar of s3://bucket/data")
     verify: Callable[[Path], None] | None = None
+    durable: bool = True  # False: write() did not flush; the cache commits now and flushes behind
 
 
 @dataclass(frozen=True)
@@ -282,27 +306,44 @@ class NodeCache:
         ``plan()`` is called only on a miss, under the entry's exclusive lock, so of several
         processes asking at once one fills and the others wait and then hit."""
         name = entry_name(key)
-        for _ in range(_ATTEMPTS):
+        evicted = 0
+        deadline = time.monotonic() + self.options.wait_timeout
+        while evicted < _ATTEMPTS:
             pin = self._pin_if_usable(name, kind, usable)
             if pin is not None:
+                events.emit(events.CacheLookup(self.options.name, True))
                 return pin
-            fd = self._entry_lock(name, fcntl.LOCK_EX)
-            assert fd is not None
+            # Never wait for the exclusive lock: the process that got it first fills the entry and
+            # then keeps a shared pin on it for as long as it reads, so a blocked waiter would wait
+            # on that reader (and a reader waiting on this process, as DataLoader workers that
+            # deliver in turn do, would wait forever). Go back to the shared wait instead, which
+            # ends as soon as the fill does.
+            fd = self._entry_lock(name, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if fd is None:
+                if time.monotonic() > deadline:
+                    raise StorageError(f"{key} is held in the cache at {self.root} by another process but is not "
+                                       f"usable here after {self.options.wait_timeout:g} s; check what else uses "
+                                       "that cache directory")
+                time.sleep(_POLL / 10)
+                continue
             try:
                 hit = self._usable(name, kind, usable)  # another process filled it while we waited
-                if not hit:
-                    self._fill(name, kind, plan())
+                flush = False if hit else self._fill(name, kind, plan())
                 # Keep it pinned. flock converts a lock by dropping and re-taking it, so an evictor
                 # may slip in between: make sure the entry is still there.
                 fcntl.flock(fd, fcntl.LOCK_SH)
             except BaseException:
                 release_fd(fd)
                 raise
+            if flush:
+                submit(partial(self._flush_behind, name))
             if os.fstat(fd).st_nlink and self._present(name, kind):
                 if hit:
                     self._touch(name)
+                events.emit(events.CacheLookup(self.options.name, hit))
                 return Pin(name, self.entry_path(name), fd, hit)
             release_fd(fd)
+            evicted += 1
         raise StorageError(f"{key} keeps being evicted from the cache at {self.root} before it can be used; "
                            "raise the cache limit or run fewer readers at once")
 
@@ -424,7 +465,18 @@ class NodeCache:
         return stat.S_ISDIR(mode) if kind == "dir" else stat.S_ISREG(mode)
 
     def _usable(self, name: str, kind: Kind, usable: Callable[[Path], bool] | None) -> bool:
-        return self._present(name, kind) and (usable is None or usable(self.entry_path(name)))
+        return self._present(name, kind) and not self._lost_flush(name) and (
+            usable is None or usable(self.entry_path(name)))
+
+    def _lost_flush(self, name: str) -> bool:
+        """True when the entry was committed unflushed before the system last started: a crash may
+        have left zeros where its bytes were."""
+        try:
+            marked = os.stat(self.root / UNSYNCED / name, follow_symlinks=False).st_mtime
+        except FileNotFoundError:
+            return False
+        boot = boot_time()
+        return boot is None or marked < boot
 
     def _touch(self, name: str) -> None:
         self._stamp(self.entry_path(name))
@@ -438,7 +490,12 @@ class NodeCache:
             pass
 
     def _remove(self, sub: str, name: str) -> bool:
-        dfd = open_dir_beneath(self.root, [sub])
+        try:
+            dfd = open_dir_beneath(self.root, [sub])
+        except NotFoundError:
+            if sub == UNSYNCED:  # never made: nothing to remove
+                return False
+            raise
         try:
             return _remove_at(dfd, name)
         finally:
@@ -447,16 +504,19 @@ class NodeCache:
     def _drop(self, name: str) -> bool:
         """Remove an entry and then its lock file; the caller holds the exclusive lock."""
         removed = self._remove(ENTRIES, name)
+        self._remove(UNSYNCED, name)
         self._remove(LOCKS, f"{name}.lock")
         return removed
 
     # -- filling ------------------------------------------------------------------------------------
-    def _fill(self, name: str, kind: Kind, plan: FillPlan) -> None:
+    def _fill(self, name: str, kind: Kind, plan: FillPlan) -> bool:
+        """Make the entry; True when its bytes are still to be flushed to the disk."""
         size = check_int(plan.size, f"{plan.where}: size")  # NaN, negative, float: never fit-checked
         if size > self.limit:
             raise ConfigError(f"{plan.where} needs {size} bytes but the cache at {self.root} holds at most "
                               f"{self.limit}: raise the cache limit")
         self._remove(ENTRIES, name)  # a stale or damaged copy (we hold the exclusive lock)
+        self._remove(UNSYNCED, name)
         with self._reservation(name, size, plan.where):
             self._remove(PARTIAL, name)  # left by a fill that died
             try:
@@ -466,6 +526,9 @@ class NodeCache:
                 plan.write(target)
                 if plan.verify is not None:
                     plan.verify(target)
+                if not plan.durable:
+                    os.close(open_dir_beneath(self.root, [UNSYNCED], create=True))
+                    os.close(_open_own(self.root, f"{UNSYNCED}/{name}", os.O_WRONLY | os.O_CREAT))
                 self._commit(name, kind)
             except TierioError:
                 raise
@@ -474,6 +537,28 @@ class NodeCache:
             finally:
                 self._remove(PARTIAL, name)
         self._touch(name)
+        return not plan.durable
+
+    def _flush_behind(self, name: str) -> None:
+        """Flush a committed entry's bytes to the disk, then drop its unsynced marker. Skipped while
+        another process evicts or refills it (the marker then stays; harmless until a reboot)."""
+        fd = self._entry_lock(name, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        if fd is None:
+            return
+        try:
+            path = self.entry_path(name)
+            files = [path] if not path.is_dir() else [Path(d) / f for d, _, fs in os.walk(path) for f in fs]
+            for f in files:
+                ffd = os.open(f, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                try:
+                    os.fdatasync(ffd)
+                finally:
+                    os.close(ffd)
+            self._remove(UNSYNCED, name)
+        except OSError as exc:  # evicted meanwhile, or a disk error the next reader will meet
+            log.debug("could not flush cache entry %s in %s: %s", name, self.root, exc)
+        finally:
+            release_fd(fd)
 
     def _commit(self, name: str, kind: Kind) -> None:
         """Rename the scratch copy into ``entries/`` through directory descriptors (no link followed)."""
@@ -581,6 +666,7 @@ class NodeCache:
             for e, _ in held:
                 self._drop(e.name)
                 log.debug("evicted %s (%d bytes) from the cache at %s", e.name, e.bytes, self.root)
+                events.emit(events.CacheEviction(self.options.name, e.bytes))
             return True
         finally:
             for _, fd in held:
@@ -606,6 +692,19 @@ class NodeCache:
                 break
             self._remove(INDEXES, name)
             total -= size
+
+
+@lru_cache(maxsize=1)
+def boot_time() -> float | None:
+    """When the running system started (seconds since the epoch), from /proc/stat; None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("btime "):
+                    return float(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
 def _tree_bytes(path: str) -> int:

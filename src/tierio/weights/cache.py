@@ -397,7 +397,7 @@ class WeightCache:
         self.check_source = check_source
         self.chunk_size = chunk_size
         self.depth = depth
-        self.node = NodeCache(root, CacheOptions(limit=self.max_bytes, wait_timeout=wait_timeout))
+        self.node = NodeCache(root, CacheOptions(limit=self.max_bytes, wait_timeout=wait_timeout, name="weights"))
         self.root = self.node.root
 
     @staticmethod

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from tierio import events
 from tierio.errors import ConfigError, NotFoundError
 from tierio.format.safetensors import TensorEntry, torch_dtype
 from tierio.io import gds
@@ -86,12 +87,15 @@ class Timer:
         self.stats = stats
 
     def __enter__(self) -> Timer:
-        self.t0, self.c0 = time.perf_counter(), cpu_time()
+        self.t0, self.c0, self.b0 = time.perf_counter(), cpu_time(), self.stats.bytes
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.stats.seconds += time.perf_counter() - self.t0
+    def __exit__(self, exc_type, *exc) -> None:
+        seconds = time.perf_counter() - self.t0
+        self.stats.seconds += seconds
         self.stats.cpu_seconds += cpu_time() - self.c0
+        if exc_type is None:
+            events.emit(events.WeightsLoaded(self.stats.source, self.stats.bytes - self.b0, seconds))
 
 
 def as_device(device: str | torch.device) -> torch.device:

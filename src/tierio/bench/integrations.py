@@ -1,0 +1,155 @@
+"""Save stalls of the framework integrations, measured inside `tierio bench ckpt`.
+
+For one model (linear layers for Lightning, a GPT-2 shape for the Trainer) trained one step with
+Adam, so that the checkpoint holds weights, optimizer state and loop state:
+
+  lightning_save_stall_vs_torch_checkpointio   trainer.save_checkpoint() with Lightning's default
+                                               TorchCheckpointIO ÷ the same call with TierioCheckpointIO
+  hf_trainer_save_stall_vs_default             the stock Trainer's checkpoint save ÷ TierioTrainer's
+
+Stall = how long the call holds the training loop (medians of the repetitions after a warm-up
+save, each started once the previous one is durable). The checkpoint is about ``size`` bytes,
+at most ``MAX_BYTES``: torch.save keeps up to three in-memory copies of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TARGETS = {
+    "lightning_save_stall_vs_torch_checkpointio": (">=", 5.0),
+    "hf_trainer_save_stall_vs_default": (">=", 5.0),
+}
+MAX_BYTES = 1 << 30
+
+
+def _median_call(call: Callable[[], None], settle: Callable[[], None], repeat: int) -> tuple[float, float]:
+    """(first call, median of ``repeat`` later calls) in seconds; ``settle()`` runs untimed after each."""
+    times = []
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+        settle()
+    return times[0], statistics.median(times[1:])
+
+
+# -- Lightning ------------------------------------------------------------------------------------
+def _lightning(nbytes: int, work: Path, repeat: int) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins import TorchCheckpointIO
+    from torch import nn
+
+    from tierio.integrations.lightning import TierioCheckpointIO
+
+    width = 1024
+    layers = max(1, nbytes // 3 // (width * width * 4))  # weights + Adam's two moments
+
+    class Wide(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+        def training_step(self, batch, i):
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, width)), batch_size=4)
+    model = Wide()
+    out: dict[str, Any] = {"layers": layers}
+    for name, plugin in (("torch_checkpointio", TorchCheckpointIO()), ("tierio", TierioCheckpointIO([str(work / "tiers")]))):
+        trainer = pl.Trainer(max_steps=1, plugins=[plugin], logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+        trainer.fit(model, data)
+        target = work / name / "model.ckpt"
+        settle = plugin.wait_published if isinstance(plugin, TierioCheckpointIO) else (lambda: None)
+        first, median = _median_call(lambda: trainer.save_checkpoint(target), settle, repeat)
+        out[f"{name}_first_s"], out[f"{name}_s"] = first, median
+        if isinstance(plugin, TierioCheckpointIO):
+            out["checkpoint_bytes"] = plugin.manager.stats()["saves"][-1]["bytes"] if plugin.manager else None
+            plugin.teardown()
+        shutil.rmtree(work / name, ignore_errors=True)
+    out["ratio"] = out["torch_checkpointio_s"] / out["tierio_s"]
+    return out
+
+
+# -- Hugging Face Trainer -------------------------------------------------------------------------
+def _hf(nbytes: int, work: Path, repeat: int) -> dict[str, Any]:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from transformers.utils import logging as hf_logging
+
+    from tierio.integrations.hf import TierioTrainer
+
+    hf_logging.set_verbosity_error()
+    n_embd, vocab = 1024, 8192
+    per_layer = 12 * n_embd * n_embd * 4 * 3  # a GPT-2 block's weights + Adam's two moments
+    layers = max(1, (nbytes - vocab * n_embd * 12) // per_layer)
+    config = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=n_embd, n_layer=layers, n_head=16, bos_token_id=0,
+                        eos_token_id=0)
+    ids = torch.randint(0, vocab, (4, 32))
+    data = [{"input_ids": ids[i], "labels": ids[i]} for i in range(4)]
+    out: dict[str, Any] = {"layers": layers}
+    for name in ("default", "tierio"):
+        args = TrainingArguments(str(work / name), max_steps=1, per_device_train_batch_size=4, save_strategy="no",
+                                 report_to=[], use_cpu=True, disable_tqdm=True)
+        model = GPT2LMHeadModel(config)
+        if name == "tierio":
+            trainer: Any = TierioTrainer(model=model, args=args, train_dataset=data, tierio_tiers=[str(work / "tiers")])
+        else:
+            trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        settle = trainer.tierio.wait_published if name == "tierio" else (lambda: None)
+        first, median = _median_call(lambda: trainer._save_checkpoint(trainer.model, None), settle, repeat)
+        out[f"{name}_first_s"], out[f"{name}_s"] = first, median
+        if name == "tierio":
+            out["checkpoint_bytes"] = trainer.tierio.manager.stats()["saves"][-1]["bytes"]
+            trainer.tierio.close()
+        del trainer, model
+        shutil.rmtree(work / name, ignore_errors=True)
+    out["ratio"] = out["default_s"] / out["tierio_s"]
+    return out
+
+
+@contextlib.contextmanager
+def _quiet(logger: str):
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def measure(size: int, work: Path, repeat: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """Both stall ratios (NaN, with the reason, where the framework is not installed)."""
+    nbytes = min(size, MAX_BYTES)
+    result: dict[str, Any] = {"checkpoint_target_bytes": nbytes, "ratios": {}, "skipped": {}}
+    for ratio, label, fn in (("lightning_save_stall_vs_torch_checkpointio", "lightning", _lightning),
+                             ("hf_trainer_save_stall_vs_default", "hf_trainer", _hf)):
+        log(f"{label}: checkpoint save stall, default vs tierio")
+        try:
+            # The frameworks print progress and logs: keep stdout for the benchmark's own output.
+            with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr), _quiet("lightning.pytorch"):
+                warnings.simplefilter("ignore")
+                result[label] = fn(nbytes, work / label, repeat)
+            result["ratios"][ratio] = result[label]["ratio"]
+        except ImportError as exc:
+            result["ratios"][ratio] = float("nan")
+            result["skipped"][ratio] = f"{exc.name or exc} is not installed: pip install 'tierio[lightning,hf]'"
+        finally:
+            shutil.rmtree(work / label, ignore_errors=True)
+    return result

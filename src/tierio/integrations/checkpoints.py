@@ -1,0 +1,150 @@
+"""What the framework adapters share: small pointer files that name tierio checkpoints, the
+retention that keeps what the pointers name, and restores that never roll anything back.
+
+A framework thinks in file names (``epoch=3-step=40.ckpt``, ``checkpoint-500/``); tierio thinks
+in step numbers on tiers. An adapter saves the state with a :class:`CheckpointManager` under its
+own increasing step number and, once that step is committed on the first tier, writes a pointer
+(a few hundred bytes of JSON, temp + fsync + rename) where the framework expects its file. So a
+pointer exists only for a durable checkpoint: a job killed mid-save resumes from the previous one.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tierio.ckpt import CheckpointManager, Tier
+from tierio.ckpt.retention import AnyOf, Retention
+from tierio.ckpt.tier import as_tier
+from tierio.errors import ConfigError, NotFoundError, TierioError
+from tierio.io.durable import write_json_atomic
+from tierio.io.untrusted import Fields, check_str, read_json_file
+
+log = logging.getLogger("tierio.integrations")
+
+POINTER_FORMAT = "tierio-checkpoint"
+POINTER_VERSION = 1
+POINTER_LIMIT = 64 << 10  # a pointer is a few hundred bytes; anything larger is not one
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """What a pointer file says: tierio step ``step`` on ``tiers`` (as saved; informational),
+    and the framework's own step and epoch for people reading it."""
+
+    step: int
+    tiers: tuple[str, ...]
+    global_step: int | None = None
+    epoch: int | None = None
+
+    def write(self, path: str | Path) -> None:
+        write_json_atomic(path, {"format": POINTER_FORMAT, "version": POINTER_VERSION, "step": self.step,
+                                 "tiers": list(self.tiers), "global_step": self.global_step, "epoch": self.epoch})
+
+    @classmethod
+    def read(cls, path: str | Path) -> Pointer:
+        """Parse a pointer file; FormatError (naming the file) for anything that is not one."""
+        doc = read_json_file(path, missing="save a checkpoint there first, or name an existing one",
+                             what="not a tierio checkpoint pointer (a file saved without tierio loads without it)",
+                             limit=POINTER_LIMIT)
+        f = Fields(doc, str(path))
+        f.const("format", POINTER_FORMAT)
+        f.const("version", POINTER_VERSION)
+        tiers = tuple(check_str(t, f"{path}: tiers") for t in f.list("tiers", 16))
+        optional = {k: (f.int(k, default=None) if f.doc.get(k) is not None else None) for k in ("global_step", "epoch")}
+        return cls(f.int("step"), tiers, **optional)
+
+
+def tier_urls(tiers: Iterable[str | Path | Tier]) -> tuple[str, ...]:
+    return tuple(str(as_tier(t).url) for t in tiers)
+
+
+@dataclass(frozen=True)
+class Referenced(Retention):
+    """Keeps the steps that ``named()`` returns: the ones some pointer file still names."""
+
+    named: Callable[[], set[int]]
+
+    def keep(self, steps, now):
+        wanted = self.named()
+        return {s.step for s in steps if s.step in wanted}
+
+    def __str__(self) -> str:
+        return "referenced"
+
+
+def with_referenced(tiers: Sequence[str | Path | Tier], named: Callable[[], set[int]]) -> list[Tier]:
+    """The tiers, each keeping what a pointer names on top of its own policy (a tier without one
+    keeps only that; ``KeepAll()`` still keeps everything)."""
+    if isinstance(tiers, (str, Path, Tier)) or not tiers:
+        raise ConfigError("pass a list of tiers, fastest first, e.g. ['/nvme/ckpt', 's3://bucket/run1']")
+    out = []
+    for t in tiers:
+        tier = as_tier(t)
+        policy: Retention = Referenced(named) if tier.retention is None else AnyOf((tier.retention, Referenced(named)))
+        out.append(Tier(tier.url, policy))
+    return out
+
+
+_FIXED = ("rank", "world_size", "process_group")
+
+
+def check_manager_options(options: dict[str, Any], fixed: Sequence[str] = _FIXED) -> dict[str, Any]:
+    """``options`` as CheckpointManager keywords, checked now rather than at the first save."""
+    taken = sorted(set(options) & set(fixed))
+    if taken:
+        raise ConfigError(f"{', '.join(taken)} are set by the integration (the framework decides who saves); leave them out")
+    params = inspect.signature(CheckpointManager).parameters
+    unknown = sorted(k for k in options if k not in params or k == "tiers")
+    if unknown:
+        raise ConfigError(f"unknown CheckpointManager option(s) {unknown}; see help(tierio.ckpt.CheckpointManager)")
+    return dict(options)
+
+
+def restore(tiers: Sequence[str | Path | Tier], pointer: Pointer, where: str, **manager: Any) -> Any:
+    """The state a pointer names, from the fastest tier with a good copy.
+
+    A manager of its own reads it, so loading (for a resume, a test or a "best" checkpoint) never
+    starts tierio's rollback of the saving manager: the framework's files say what exists."""
+    with CheckpointManager(tiers, **manager) as reader:
+        if pointer.step not in reader.steps():
+            raise NotFoundError(
+                f"{where} names tierio step {pointer.step} (saved to {', '.join(pointer.tiers)}), which is on none of "
+                f"the tiers {', '.join(reader.tiers)}: it was deleted, or this job points at other tiers"
+            )
+        return reader.restore(step=pointer.step)
+
+
+def unstorable_advice(framework: str, fix: str) -> str:
+    return (f"{framework}'s checkpoint holds a value tierio cannot store without pickle. {fix} "
+            "Nothing was written for this checkpoint; earlier checkpoints are intact.")
+
+
+def pointed_steps(paths: Iterable[Path]) -> set[int]:
+    """The steps the pointer files among ``paths`` name; other files (and vanished ones) are skipped."""
+    steps: set[int] = set()
+    for p in paths:
+        try:
+            if p.is_file() and p.stat().st_size <= POINTER_LIMIT:
+                steps.add(Pointer.read(p).step)
+        except (TierioError, OSError):
+            continue  # not ours, or removed while we looked
+    return steps
+
+
+def local_target(path: str | os.PathLike[str], framework: str) -> Path:
+    """The file system path of a pointer the framework names; URLs are refused (tiers hold the data)."""
+    text = os.fspath(path)
+    if "://" in text and not text.startswith("file://"):
+        raise ConfigError(f"{framework} asked to save to {text}: point it at a local or shared-filesystem directory; "
+                          "the checkpoint data goes to the tierio tiers, the file there only names it")
+    return Path(text.removeprefix("file://"))
+
+
+__all__ = ["Pointer", "Referenced", "check_manager_options", "local_target", "pointed_steps", "restore",
+           "tier_urls", "unstorable_advice", "with_referenced"]

@@ -1,0 +1,137 @@
+"""Tiny, deterministic training jobs on the CPU for the Lightning and Trainer integration tests.
+
+Each runs in this process or, as ``python tests/training_jobs.py JOB ROOT ...``, in a child that
+a test kills with SIGKILL once a checkpoint is durable (``--kill-at``), as a lost node would be.
+The final weights are written to ROOT/final.safetensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def _kill_when(ready) -> None:
+    """Wait (up to 60 s) until ``ready()``, then die the way a lost node does: no cleanup at all."""
+    deadline = time.monotonic() + 60
+    while not ready() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# -- PyTorch Lightning -------------------------------------------------------------------------------
+def lightning_job(root: Path, tiers: list[str], epochs: int, resume: str | None = None, kill_at: int | None = None,
+                  **plugin_options) -> dict[str, torch.Tensor]:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+    from tierio.integrations.lightning import TierioCheckpointIO
+
+    warnings.filterwarnings("ignore")
+
+    class Regression(pl.LightningModule):
+        def __init__(self, width: int = 32, lr: float = 0.01, tags: tuple = ("tiny", 1)) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.net = nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 1))
+
+        def training_step(self, batch, i):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)]
+
+    class KillAt(Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, i) -> None:
+            if trainer.current_epoch == kill_at and i == 2:
+                _kill_when(lambda: (root / "ck" / "last.ckpt").exists())
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    pl.seed_everything(0, verbose=False)
+    model = Regression()
+    callbacks = [ModelCheckpoint(dirpath=root / "ck", save_last=True, save_top_k=2, monitor="step", mode="max")]
+    if kill_at is not None:
+        callbacks.append(KillAt())
+    trainer = pl.Trainer(max_epochs=epochs, plugins=[TierioCheckpointIO(tiers, **plugin_options)], callbacks=callbacks,
+                         enable_progress_bar=False, enable_model_summary=False, logger=False, accelerator="cpu")
+    trainer.fit(model, data, ckpt_path=resume)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# -- Hugging Face Trainer --------------------------------------------------------------------------
+class TokenData(torch.utils.data.Dataset):
+    def __init__(self, n: int = 64, seq: int = 16) -> None:
+        self.x = torch.randint(0, 100, (n, seq), generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def tiny_gpt2(n_embd: int = 32, n_layer: int = 2):
+    """A GPT-2 built from its config (no download): tied embeddings and dropout, so RNG matters."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=100, n_positions=32, n_embd=n_embd, n_layer=n_layer, n_head=2,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def hf_job(root: Path, tiers: list[str] | None, max_steps: int, resume: bool | str | None = None,
+           kill_at: int | None = None, save_total_limit: int | None = 2) -> dict[str, torch.Tensor]:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.utils import logging as hf_logging
+
+    from tierio.integrations.hf import TierioTrainer
+
+    warnings.filterwarnings("ignore")
+    hf_logging.set_verbosity_error()
+
+    class KillAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == kill_at:
+                _kill_when(lambda: any((root / "out").glob("checkpoint-*/trainer_state.json")))
+
+    args = TrainingArguments(str(root / "out"), max_steps=max_steps, per_device_train_batch_size=4, save_steps=3,
+                             logging_steps=1000, report_to=[], use_cpu=True, seed=7, save_total_limit=save_total_limit,
+                             disable_tqdm=True)
+    kw = {"tierio_tiers": tiers} if tiers is not None else {}
+    cls = TierioTrainer if tiers is not None else Trainer
+    trainer = cls(model=tiny_gpt2(), args=args, train_dataset=TokenData(), callbacks=[KillAt()] if kill_at else None, **kw)
+    trainer.train(resume_from_checkpoint=resume)
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("job", choices=["lightning", "hf"])
+    p.add_argument("root")
+    p.add_argument("--tiers", required=True, help="JSON list of tier URLs")
+    p.add_argument("--length", type=int, required=True, help="epochs (lightning) or steps (hf)")
+    p.add_argument("--kill-at", type=int)
+    a = p.parse_args()
+    root, tiers = Path(a.root), json.loads(a.tiers)
+    run = lightning_job if a.job == "lightning" else hf_job
+    weights = run(root, tiers, a.length, kill_at=a.kill_at)
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in weights.items() if k != "lm_head.weight"}, str(root / "final.safetensors"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
