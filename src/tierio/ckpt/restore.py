@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from tierio import events
 from tierio.errors import ConfigError, FormatError, IntegrityError, NotFoundError, StorageError
 from tierio.format.manifest import Manifest, RankEntry
 from tierio.format.safetensors import torch_dtype
@@ -253,10 +254,11 @@ def read_all(manifest: Manifest, loaded: Loaded, wanted: list[tuple[Stored, Targ
                     problems.append(str(exc))
             except SOURCE_ERRORS as exc:
                 problems.append(str(exc))
+                events.emit(events.CopyUnusable(manifest.step, src.store.url, str(exc)))
         else:
             raise IntegrityError(f"no good copy of {file} of {label} on any tier: " + "; ".join(problems or ["not found"]))
         if problems:
-            msg = f"read {file} of {label} from {src.store.url} after passing over: " + "; ".join(problems)
+            msg = f"read {file} of {label} from {src.store.url}; the copies passed over are unusable: " + "; ".join(problems)
             warnings.warn(msg, stacklevel=4)
             log.warning("%s", msg)
     return read_from
