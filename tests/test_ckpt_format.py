@@ -264,3 +264,22 @@ def test_statetree_rejects_malformed_markers():
                  {"__tensor__": "x", "other": 1}, {"__np__": ["O", 1]}):
         with pytest.raises(FormatError):
             unflatten(tree, lambda n, t: torch.empty(0))
+
+
+def test_unstaged_shard_bytes_match_the_staged_shard():
+    """A synchronous DCP save writes straight from the tensors (ShardBytes): the bytes written and
+    every chunk's checksum equal those of the staged shard, for every dtype, empty and 0-d tensors."""
+    from tierio.format.shard import ShardBytes, describe, plan_shard, stage_into
+
+    tensors = {"f32": torch.randn(5, 3), "bf16": torch.randn(7).to(torch.bfloat16), "empty": torch.zeros(0, 4),
+               "scalar": torch.tensor(3, dtype=torch.int64), "flag": torch.tensor([True, False, True]),
+               "grad": torch.randn(4, requires_grad=True), "u8": torch.arange(9, dtype=torch.uint8)}
+    layout = plan_shard(tensors, {"k": "v"}, chunk_bytes=16)  # several chunks per tensor
+    staged = torch.empty(layout.total_bytes, dtype=torch.uint8)
+    stage_into(layout, tensors, staged)
+    direct = ShardBytes(layout, tensors)
+    assert b"".join(bytes(p) for p in direct.parts) == staged.numpy().tobytes()
+    view = memoryview(staged.numpy()).cast("B")
+    assert describe(layout, direct, "f") == describe(layout, view, "f")
+    with pytest.raises(FormatError, match="'t'"):
+        ShardBytes(plan_shard({"t": torch.randn(3, 4).t()}), {"t": torch.randn(3, 4).t()})

@@ -28,7 +28,7 @@ from tierio.data.packing import parse_plan, plan_packing, save_plan
 from tierio.data.shards import ShardWriter, decode_npy, load_manifest, parse_index
 from tierio.data.shards import parse_manifest as parse_shard_manifest
 from tierio.errors import TierioError
-from tierio.format.manifest import Manifest, encode_fragment, parse_fragment, parse_manifest
+from tierio.format.manifest import Manifest, encode_record, parse_manifest, parse_record
 from tierio.format.safetensors import read_header_from
 from tierio.format.shard import plan_shard
 from tierio.format.statetree import flatten
@@ -149,14 +149,14 @@ def _rank_entry():
 
 RANK, LAYOUT = _rank_entry()
 MANIFEST_RAW = Manifest(7, 1, [RANK], "2026-01-01T00:00:00Z", 1.0, {"note": "x"}).encode()
-FRAGMENT_RAW = encode_fragment(7, 1, RANK)
+FRAGMENT_RAW = encode_record(7, 1, RANK)
 SAFETENSORS_RAW = bytes(LAYOUT.header_bytes) + b"\x01" * LAYOUT.header.data_bytes
 HF_INDEX = {"metadata": {"total_size": 100}, "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
 
 
 def test_the_valid_inputs_parse():
     assert parse_manifest(MANIFEST_RAW, "m").step == 7
-    assert parse_fragment(FRAGMENT_RAW, "f", 7, 1).rank == 0
+    assert parse_record(FRAGMENT_RAW, "f", 7, 1).rank == 0
     assert len(read_header_from(lambda o, n: SAFETENSORS_RAW[o : o + n], len(SAFETENSORS_RAW), "s").tensors) == 2
     assert len(parse_hf_index(json.dumps(HF_INDEX).encode(), "i")) == 2
 
@@ -171,7 +171,7 @@ def test_fuzz_checkpoint_manifest(raw):
 @FUZZ
 @given(mutated(FRAGMENT_RAW, json.loads(FRAGMENT_RAW)))
 def test_fuzz_manifest_fragment(raw):
-    only_typed_errors(parse_fragment, raw, "step_000000007/rank_00000.json", 7, 1)
+    only_typed_errors(parse_record, raw, "step_000000007/rank_00000.json", 7, 1)
 
 
 # -- safetensors headers ------------------------------------------------------------------------

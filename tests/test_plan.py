@@ -253,3 +253,16 @@ def test_tables_render_every_section(capsys):
     plan = build_plan(PlanInputs(model=preset("405b"), gpus=2048))
     assert plan["kv"]["serve_gpus"] == 8                                     # 405 GB FP8 needs 8 × 80 GB
     assert math.isfinite(plan["cost"]["total"])
+
+
+def test_commit_metadata_load_grows_with_ranks_not_tensors(capsys):
+    from tierio.plan.checkpoint import commit_load
+
+    small, big = commit_load(64, 10, 1e9), commit_load(1024, 3000, 1e9)
+    assert small.mode == "inline" and small.files_created == 64 + 1 and small.requests["DELETE"] == 64
+    assert big.mode == "referenced" and big.files_created == 2 * 1024 + 1 and big.manifest_bytes < 200e3
+    assert big.listing_requests == big.listing_polls * 3  # 2,049 files: three pages per look
+    assert commit_load(1, 3000, 1e9).requests["LIST"] == 0
+    assert main(["plan", "--only", "commit", "--gpus", "128", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["commit"]["ranks"] == 128 and doc["commit"]["files_created"] > 128

@@ -33,8 +33,10 @@ def require_tool(name: str, install: str) -> str:
 
 
 def run_fio(directory: str | Path, rw: str, size: int, *, bs: str = "8M", iodepth: int = 8, direct: bool = True,
-            name: str = "tierio-fio", keep: bool = False) -> dict[str, float]:
+            name: str = "tierio-fio", keep: bool = False, jobs: int = 1) -> dict[str, float]:
     """One fio job (libaio, one file of ``size`` bytes in ``directory``); returns bytes/s and seconds.
+    With ``jobs`` > 1, that many jobs each write (or read) a file of ``size`` bytes at once and the
+    figures are their aggregate.
 
     A read job lays out its file first (untimed) and drops it from the page cache before reading.
     """
@@ -42,6 +44,20 @@ def run_fio(directory: str | Path, rw: str, size: int, *, bs: str = "8M", iodept
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     fname = directory / f"{name}.0.0"
+    if jobs > 1:
+        common = [f"--name={name}", f"--directory={directory}", f"--numjobs={jobs}", f"--bs={bs}",
+                  f"--iodepth={iodepth}", "--ioengine=libaio", f"--size={size}", "--output-format=json"]
+        if rw in ("read", "randread"):  # lay the files out first (untimed), then drop them from the cache
+            subprocess.run([fio, *common, "--rw=write", "--direct=1"], check=True, capture_output=True)
+            drop_caches(directory.glob(f"{name}.*"))
+        args = [fio, *common, "--group_reporting", f"--rw={rw}", f"--direct={1 if direct else 0}"]
+        out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+        part = json.loads(out[out.index("{"):])["jobs"][0]["write" if "write" in rw else "read"]
+        seconds = part["runtime"] / 1000.0
+        if not keep:
+            for f in directory.glob(f"{name}.*"):
+                f.unlink(missing_ok=True)
+        return {"bytes_per_s": part["io_bytes"] / seconds if seconds else 0.0, "seconds": seconds, "bytes": part["io_bytes"]}
     args = [fio, f"--name={name}", f"--filename={fname}", f"--rw={rw}", f"--bs={bs}", f"--iodepth={iodepth}",
             "--ioengine=libaio", f"--direct={1 if direct else 0}", f"--size={size}", "--output-format=json"]
     if rw in ("read", "randread"):

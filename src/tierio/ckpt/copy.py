@@ -6,14 +6,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tierio.errors import ConfigError, IntegrityError, NotFoundError
-from tierio.format.manifest import RankEntry
-from tierio.format.shard import manifest_key, step_dir
+from tierio.errors import ConfigError, IntegrityError
+from tierio.format.manifest import Manifest, RankEntry, RecordRef
+from tierio.format.shard import manifest_key, step_dir, step_key
 from tierio.io.buffers import BufferPool
 from tierio.io.checksum import xxh3
 from tierio.io.limiter import TokenBucket
-from tierio.storage.base import Store
+from tierio.storage.base import Store, list_sizes, read_bytes
 
+from tierio.ckpt.commit import read_record
 from tierio.ckpt.lineage import manifest_on
 from tierio.ckpt.reader import read_manifest_raw, where
 
@@ -68,12 +69,36 @@ def _copy_verified(src: Store, dst: Store, key: str, entry: RankEntry, view: mem
     dst.put_buffers(key, [view])
 
 
-def shards_present(dst: Store, step: int, entries: list[RankEntry]) -> bool:
-    for e in entries:
-        try:
-            if dst.stat(f"{step_dir(step)}/{e.file}").size != e.bytes:
-                return False
-        except NotFoundError:
+def copy_record(src: Store, dst: Store, step: int, ref: RecordRef) -> CopyStats:
+    """Copy a rank's record (a checkpoint referring to records holds them as files), verified."""
+    t0 = time.perf_counter()
+    raw = read_bytes(src, step_key(step, ref.name), 0, ref.bytes)
+    if xxh3(raw) != ref.xxh3:
+        raise IntegrityError(f"{where(src, step_key(step, ref.name))} does not match its manifest; not promoting a bad copy")
+    dst.put_buffers(step_key(step, ref.name), [raw])
+    return CopyStats(len(raw), time.perf_counter() - t0, 1)
+
+
+def copy_rank(src: Store, dst: Store, man: Manifest, rank: int, pool: BufferPool,
+              limiter: TokenBucket | None = None) -> CopyStats:
+    """Copy one rank's files of a committed step (its shard, and its record when referenced)."""
+    entry = man.ranks[rank]
+    stats = CopyStats()
+    if entry.record is not None:
+        stats.add(copy_record(src, dst, man.step, entry.record))
+        entry = read_record(src, man.step, man.world_size, entry.record)
+    stats.add(copy_shard(src, dst, man.step, entry, pool, limiter))
+    return stats
+
+
+def files_present(dst: Store, man: Manifest, sizes: dict[str, int] | None = None) -> bool:
+    """Every file of the checkpoint is on ``dst`` with its recorded size (one listing, or ``sizes``
+    from one already made)."""
+    sizes = list_sizes(dst, step_dir(man.step) + "/") if sizes is None else sizes
+    for e in man.ranks:
+        if sizes.get(step_key(man.step, e.file)) != e.bytes:
+            return False
+        if e.record is not None and sizes.get(step_key(man.step, e.record.name)) != e.record.bytes:
             return False
     return True
 
@@ -101,10 +126,10 @@ def copy_step(src: Store, dst: Store, step: int, *, limiter: TokenBucket | None 
     pool = pool or copy_pool()
     stats = CopyStats()
     for entry in man.ranks:
-        stats.add(copy_shard(src, dst, step, entry, pool, limiter))
+        stats.add(copy_rank(src, dst, man, entry.rank, pool, limiter))
         if progress:
             progress(entry.file)
-    if not shards_present(dst, step, man.ranks):
+    if not files_present(dst, man):
         raise IntegrityError(f"after copying step {step} to {dst.url}, some shards are missing there; not committing")
     commit_copy(dst, step, raw)
     stats.files += 1

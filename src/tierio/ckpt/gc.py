@@ -29,7 +29,7 @@ from tierio.errors import StorageError
 from tierio.format.shard import manifest_key, step_dir
 from tierio.storage.base import Store
 
-from tierio.ckpt.reader import commit_times, committed_in, step_dirs
+from tierio.ckpt.reader import commit_times, committed_in, committed_steps, step_dirs
 from tierio.ckpt.retention import Retention, gc_plan
 
 log = logging.getLogger("tierio.ckpt")
@@ -45,6 +45,7 @@ class GcTier:
     retention: Retention | None = None  # None keeps every checkpoint
     writable: bool = True  # False: only listed (cross-tier rules), nothing deleted there
     sweep: bool = True  # also remove leftovers of interrupted writes (one walk per step directory)
+    commits_on: Store | None = None  # a node-local tier: its steps are committed on this (shared) store
 
     @property
     def url(self) -> str:
@@ -96,6 +97,9 @@ def delete_step(store: Store, step: int) -> None:
 def _list(tier: GcTier, report: GcReport) -> _Listing:
     try:
         dirs = step_dirs(tier.store)
+        if tier.commits_on is not None:  # a node's copies: committed when the shared manifest is there
+            shared = set(committed_steps(tier.commits_on))
+            return _Listing(dirs, commit_times(tier.commits_on, sorted(s for s in dirs if s in shared)))
         return _Listing(dirs, commit_times(tier.store, committed_in(dirs)))
     except StorageError as exc:
         report.skipped.append(Skipped(tier.url, str(exc)))

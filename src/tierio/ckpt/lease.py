@@ -7,8 +7,8 @@ tier's lease: a small JSON object ``tierio-lease.json`` at the tier's root, crea
 holder — run id, host, node, pid, world size, when it was taken and its last heartbeat — and is
 refreshed every ``HEARTBEAT`` seconds while the manager lives and deleted by ``close()``.
 
-Every rank of one job shares the lease: ranks agree on one run id (``agree_run_id``), and a
-non-zero rank only checks that the tier's lease names its run before writing there.
+Every rank of one job shares the lease: ranks agree on one run id (``nodes.agree_job``), and a
+rank that does not lead a tier only checks that its lease names its run before writing there.
 
 A lease is *stale*, and the next writer takes it over with a warning, when its holder is provably
 dead (same node and process namespace, pid gone) or its heartbeat is older than ``EXPIRES``
@@ -30,7 +30,6 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any
 
 from tierio.errors import ConfigError, FormatError, LeaseError, NotFoundError, StorageError
 from tierio.io.untrusted import Fields, loads
@@ -249,25 +248,6 @@ def tool_lease(store: Store, *, force: bool = False) -> Iterator[Holder]:
         release(store, me.run)
 
 
-def agree_run_id(run_id: str | None, rank: int, world_size: int, group: Any, from_group: bool) -> str | None:
-    """One run id for every rank of a job: the given one; else rank 0's, broadcast once over the
-    process group the ranks came from (in the caller's thread, at construction). Without a group
-    a non-zero rank returns None and adopts the run named by the lease rank 0 took."""
-    if run_id is not None:
-        return check_run_id(run_id)
-    mine = new_run_id() if rank == 0 else None
-    if world_size == 1 or not from_group:
-        return mine
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return mine
-    box = [mine]
-    src = 0 if group is None else dist.get_global_rank(group, 0)
-    dist.broadcast_object_list(box, src=src, group=group)
-    return check_run_id(box[0])
-
-
 class TierLeases:
     """The leases one manager holds (rank 0) or has checked (other ranks), and their heartbeat."""
 
@@ -279,14 +259,17 @@ class TierLeases:
         self.force = force
         self.wait_timeout = wait_timeout
         self._me: Holder | None = None
-        self._ok: dict[str, Store] = {}  # url -> store: held (rank 0) or checked (other ranks)
+        self._ok: dict[str, Store] = {}  # url -> store: held (its leader) or checked (other ranks)
+        self._held: set[str] = set()  # the urls this rank leads
         self._lost: dict[str, str] = {}  # url -> who holds its lease now
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def ensure(self, store: Store) -> None:
-        """Before writing to ``store``: hold its lease (rank 0) or check that it names this run."""
+    def ensure(self, store: Store, leader: bool | None = None) -> None:
+        """Before writing to ``store``: hold its lease (its leader: rank 0, or the lowest rank of a
+        node for a node-local tier) or check that it names this run (the other ranks)."""
+        leader = self.rank == 0 if leader is None else leader
         with self._lock:
             lost = self._lost.get(store.url)
             if lost is not None:
@@ -294,13 +277,14 @@ class TierLeases:
                                  "this manager no longer writes there")
             if store.url in self._ok:
                 return
-        if self.rank == 0:
+        if leader:
             assert self.run is not None
             me = Holder.mine(self.run, self.world_size)
             acquire(store, me, force=self.force)
             with self._lock:
                 self._me = me
                 self._ok[store.url] = store
+                self._held.add(store.url)
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._beat, name="tierio-ckpt-lease", daemon=True)
                     self._thread.start()
@@ -312,7 +296,7 @@ class TierLeases:
     def status(self) -> dict[str, str]:
         """Per tier url: "held" (rank 0), "joined" (other ranks) or why this run lost it."""
         with self._lock:
-            out = {url: ("held" if self.rank == 0 else "joined") for url in self._ok}
+            out = {url: ("held" if url in self._held else "joined") for url in self._ok}
             out.update({url: f"lost: now held by {who}" for url, who in self._lost.items()})
             return out
 
@@ -343,7 +327,7 @@ class TierLeases:
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT):
             with self._lock:
-                held = list(self._ok.values()) if self.rank == 0 else []
+                held = [s for url, s in self._ok.items() if url in self._held]
                 me = self._me
             for store in held:
                 if me is None or store.url in self._lost or self._stop.is_set():
@@ -362,11 +346,12 @@ class TierLeases:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()  # a renewal in flight must not rewrite a lease after its release
-        if self.rank != 0 or self.run is None:
+        if self.run is None:
             return
         with self._lock:
-            held = [s for url, s in self._ok.items() if url not in self._lost]
+            held = [s for url, s in self._ok.items() if url in self._held and url not in self._lost]
             self._ok.clear()
+            self._held.clear()
         for store in held:
             try:
                 release(store, self.run)

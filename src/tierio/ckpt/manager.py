@@ -1,20 +1,26 @@
-"""CheckpointManager: asynchronous, tiered, verified checkpoints.
+"""CheckpointManager: asynchronous, tiered, verified checkpoints, on one node or a cluster.
 
 Pipeline of one ``save(step, state)``:
 
-1. *stage* (the only part the caller waits for): flatten the state, lay out the shard, copy the
-   header and every tensor into a reused, pre-faulted staging buffer (pinned, on a side CUDA
-   stream, where a GPU exists);
+1. *stage* (the only part the caller waits for): flatten the state (a rank's own tensors, and its
+   slices of global tensors: DTensors, TensorSlices), lay out the shard, copy the header and every
+   tensor into a reused, pre-faulted staging buffer (pinned, on a side CUDA stream, where a GPU
+   exists);
 2. *persist* (background thread): xxh3 per chunk from memory, one large O_DIRECT write of the
-   shard to tier 0 (temp + fsync + rename), a per-rank manifest fragment; rank 0 waits for every
-   rank's fragment and commits ``manifest.json`` last. The staging buffer is free again as soon
-   as the shard is written;
-3. *promote* (second background thread): copy the same bytes to each slower tier, verifying every
-   chunk, under the promotion bandwidth limit; rank 0 commits each tier's manifest once all shards
-   are there. A failed promotion leaves the faster copies in place and is retried later.
+   shard to tier 0, then the rank's record; on a shared tier 0 the commit protocol follows
+   (``ckpt.commit``: rank 0 commits ``manifest.json`` once every rank's record is listed). The
+   staging buffer is free again as soon as the shard is written;
+3. *promote* (second background thread): on a node-local tier 0, each rank first copies its shard
+   and record to the first shared tier, where rank 0 commits (the global commit); then every
+   committed step is copied to each slower tier, verified, under the promotion bandwidth limit
+   (``ckpt.promotion``). A failed promotion leaves the faster copies in place and is retried.
 
-Rank 0 holds each tier's lease (lease.py) before writing there; other ranks check it names their
-run. Retention and clean-up run after each commit on rank 0 (gc.py). A save after ``restore()``
+No collective runs on a background thread: ranks coordinate through the tiers. The caller's thread
+runs one collective at construction (the run id, and the node layout when a tier is node-local)
+and, on ``restore``, the agreement on the step every rank restores.
+
+The leader of a tier (rank 0; a node's lowest rank for its node-local tier) holds its lease
+(lease.py) and applies retention there after each commit (gc.py). A save after ``restore()``
 follows the rollback rule (lineage.py).
 """
 
@@ -25,8 +31,7 @@ import threading
 import time
 import warnings
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -34,139 +39,84 @@ import torch
 from tierio import events
 from tierio.dist import rank_world
 from tierio.errors import (
-    ConfigError,
-    DiskFullError,
-    FormatError,
-    IntegrityError,
-    LeaseError,
-    NotFoundError,
-    StorageError,
-    TierioError,
+    ConfigError, FormatError, IntegrityError, LeaseError, NotFoundError, StorageError, TierioError,
 )
-from tierio.format.manifest import ChunkInfo, Manifest, RankEntry, TensorInfo, encode_fragment, parse_fragment, utc_now
-from tierio.format.shard import (
-    fragment_key,
-    manifest_key,
-    plan_shard,
-    shard_key,
-    shard_name,
-    stage_into,
-    step_dir,
-)
+from tierio.format.manifest import RankEntry
+from tierio.format.shard import Placement, ShardBytes, describe, manifest_key, plan_shard, shard_key, shard_name, step_dir
 from tierio.format.statetree import flatten
-from tierio.io.buffers import BufferPool, HostBuffer, align_up
-from tierio.io.checksum import xxh3
+from tierio.io.buffers import BufferPool, align_up
 from tierio.io.limiter import TokenBucket
-from tierio.storage.base import Store, read_bytes
+from tierio.storage.base import Store
 from tierio.units import human_bytes, parse_size
 
-from tierio.ckpt.copy import CopyStats, commit_copy, copy_pool, copy_shard, shards_present
+from tierio.ckpt.commit import CommitPlan, Waiting, await_commit, build_manifest, commit, drop_record, write_record
+from tierio.ckpt.copy import CopyStats, copy_pool, copy_shard
 from tierio.ckpt.gc import TEMP_GRACE, GcOptions, GcTier, collect
-from tierio.ckpt.lease import TierLeases, agree_run_id
-from tierio.ckpt.lineage import Lineage, Rollback, manifest_on
-from tierio.ckpt.reader import VerifyReport, committed_steps, load_rank, read_manifest, read_manifest_raw, verify_copy, where
+from tierio.ckpt.lease import TierLeases
+from tierio.ckpt.lineage import Lineage, Rollback
+from tierio.ckpt.nodes import agree_job, group_joined
+from tierio.ckpt.options import CheckpointOptions
+from tierio.ckpt.promotion import Cluster, Own, commit_on, promote_step, publish
+from tierio.ckpt.reader import VerifyReport, committed_steps, read_manifest, verify_copy
+from tierio.ckpt import recovery
+from tierio.ckpt.restore import Source
 from tierio.ckpt.retention import wanted
-from tierio.ckpt.tier import Tier, as_tier, open_tier_store
+from tierio.ckpt.saving import SaveHandle, Staged, Stager, check_space, check_tiers, to_write
+from tierio.ckpt.tier import Tier, TierState, as_tier, open_tier_store
 
 log = logging.getLogger("tierio.ckpt")
 
-CAPACITY_WARN = 0.80
-_POLL = 0.02
-
-
-@dataclass
-class SaveHandle:
-    """Completion handles of one save: ``staged`` (state copied, the caller may go on),
-    ``persisted`` (tier 0 durable and committed), ``promoted`` (every slower tier committed)."""
-
-    step: int
-    staged: Future = field(default_factory=Future)
-    persisted: Future = field(default_factory=Future)
-    promoted: Future = field(default_factory=Future)
-    blocking_seconds: float = 0.0  # time save() held the caller, waiting included
-    wait_seconds: float = 0.0  # part of it spent waiting for the previous persist
-    bytes: int = 0
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Wait for every stage; raises the first failure."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for f in (self.staged, self.persisted, self.promoted):
-            f.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
-
-    def done(self) -> bool:
-        return self.promoted.done() and self.persisted.done()
-
-
-@dataclass
-class _TierState:
-    tier: Tier
-    store: Store
-    bytes: int = 0
-    seconds: float = 0.0
-    files: int = 0
-    warned_capacity: bool = False
-
-    @property
-    def url(self) -> str:
-        return self.store.url
 
 
 class CheckpointManager:
     """Asynchronous tiered checkpoints. ``tiers`` go from fastest to slowest (URLs, Stores or Tier).
 
-    ``run_id`` names this run in tier leases and manifests (default: a fresh one, agreed across the
-    ranks of an initialised process group at construction); ``break_lease=True`` takes over a tier
-    another run still leases (only when that run is known to be gone)."""
+    Options come as a :class:`CheckpointOptions` or as keywords of the same names (``run_id``,
+    ``commit_timeout``, ``memory_budget``, ...). Rank and world size come from the initialised
+    process group (``process_group``, default the world) unless given."""
 
-    def __init__(
-        self,
-        tiers: Sequence[str | Tier | Store],
-        *,
-        rank: int | None = None,
-        world_size: int | None = None,
-        process_group: Any = None,
-        memory_budget: int | str | None = None,
-        double_buffer: bool = False,
-        promote_bandwidth: float | str | None = None,
-        min_keep: int = 3,
-        commit_timeout: float = 600.0,
-        run_id: str | None = None,
-        break_lease: bool = False,
-    ) -> None:
+    def __init__(self, tiers: Sequence[str | Tier | Store], options: CheckpointOptions | None = None, *,
+                 rank: int | None = None, world_size: int | None = None, process_group: Any = None,
+                 **overrides: Any) -> None:
         if isinstance(tiers, (str, Tier)) or not tiers:
             raise ConfigError("CheckpointManager needs a list of tiers, fastest first, e.g. ['/nvme/ckpt', 's3://bucket/run1']")
-        rate = parse_size(promote_bandwidth) if isinstance(promote_bandwidth, str) else promote_bandwidth
+        self.options = opts = (options or CheckpointOptions()).with_overrides(overrides)
+        rate = parse_size(opts.promote_bandwidth) if isinstance(opts.promote_bandwidth, str) else opts.promote_bandwidth
         self.limiter = TokenBucket(rate, burst=max(1 << 20, (rate or 0) / 4)) if rate else None
-        self._tiers: list[_TierState] = []
-        for i, t in enumerate(tiers):
-            tier = as_tier(t)
-            self._tiers.append(_TierState(tier, open_tier_store(tier, self.limiter if i > 0 else None)))
+        specs = [as_tier(t) for t in tiers]
+        check_tiers(specs)
+        self._tiers = [TierState(t, open_tier_store(t, self.limiter if i > 0 else None)) for i, t in enumerate(specs)]
         self.rank, self.world_size = rank_world(rank, world_size, process_group)
         from_group = rank is None or world_size is None
-        self._leases = TierLeases(agree_run_id(run_id, self.rank, self.world_size, process_group, from_group),
-                                  self.rank, self.world_size, force=break_lease, wait_timeout=commit_timeout)
-        self.memory_budget = parse_size(memory_budget) if memory_budget is not None else None
-        self.slots = 2 if double_buffer else 1
-        self.min_keep = min_keep
-        self.commit_timeout = commit_timeout
+        job = agree_job(opts.run_id, self.rank, self.world_size, process_group, from_group, opts.node,
+                        any(t.node_local for t in specs), opts.ranks_per_node)
+        self._group = group_joined(process_group, from_group) if self.world_size > 1 else None
+        self._leases = TierLeases(job.run_id, self.rank, self.world_size, force=opts.break_lease,
+                                  wait_timeout=opts.commit_timeout)
+        self._cluster = Cluster(self.rank, self.world_size, job.node, self._leases, Waiting(opts.commit_timeout),
+                                self.limiter, copy_pool(), opts.inline_records)
+        self.memory_budget = parse_size(opts.memory_budget) if isinstance(opts.memory_budget, str) else opts.memory_budget
+        self.slots = 2 if opts.double_buffer else 1
+        self.min_keep = opts.min_keep
+        self.commit_timeout = opts.commit_timeout
         self.restored_step: int | None = None
-        self.restored_from: str | None = None  # the tier URL the last restore read
+        self.restored_from: str | None = None  # the tier whose manifest the last restore used
 
         self._lock = threading.Lock()
         # Staging buffers: at most `slots` exist, within the memory budget, reused by every save.
         self._staging = BufferPool(budget_bytes=self.memory_budget, max_buffers=self.slots)
-        self._promo_pool = copy_pool()
         self._error: BaseException | None = None
         self._handles: list[SaveHandle] = []
         self._inflight: set[int] = set()
         self._pending: set[int] = set()  # steps whose promotion failed and waits for a retry
+        self._unpublished: dict[int, tuple[Own, Lineage]] = {}  # node-local tier 0: not yet globally committed
         self._rollback: Rollback | None = None  # set by restore(): what the next saves retire
         self._saved_since_restore: set[int] = set()
         self._saves: list[dict] = []
         self._swept: set[str] = set()  # tiers whose leftovers this manager has cleaned up once
         self._closed = False
         self._warned_min_keep = False
-        self._stream = None
+        self._stager = Stager()
         self._gc_lock = threading.Lock()
         self._persist_pool = ThreadPoolExecutor(1, thread_name_prefix="tierio-ckpt-persist")
         self._checksum_pool = ThreadPoolExecutor(1, thread_name_prefix="tierio-ckpt-checksum")
@@ -184,9 +134,31 @@ class CheckpointManager:
         """This run's id (on a non-zero rank without a process group: None until rank 0's lease is read)."""
         return self._leases.run
 
+    @property
+    def node(self) -> str:
+        """The node this rank runs on (what node-local tiers are per)."""
+        return self._cluster.node.name
+
     def save(self, step: int, state: Any) -> SaveHandle:
         """Snapshot ``state`` into staging memory and return; persist and promotion run behind."""
         t0 = time.perf_counter()
+        rollback = self._begin(step)
+        flat = flatten(state)
+        tensors, places = to_write(flat)
+        handle = SaveHandle(step)
+        job = self._staged(step, tensors, places, flat.tree, rollback, handle)
+        handle.blocking_seconds = time.perf_counter() - t0
+        handle.staged.set_result(step)
+        with self._lock:
+            self._handles.append(handle)
+            self._saves.append({"step": step, "bytes": handle.bytes, "blocking_seconds": handle.blocking_seconds,
+                                "wait_seconds": handle.wait_seconds})
+        events.emit(events.CheckpointStaged(step, self._tiers[0].url, handle.bytes, handle.blocking_seconds, handle.wait_seconds))
+        self._persist_pool.submit(self._persist, handle, job)
+        return handle
+
+    def _begin(self, step: int) -> Rollback | None:
+        """The checks before any save of ``step``; the rollback it carries out, if any."""
         self._check_open()
         self._raise_background_error()
         step_dir(step)  # validates the number
@@ -197,103 +169,169 @@ class CheckpointManager:
         if rollback is not None and step <= rollback.after:
             raise ConfigError(f"step {step} is not after the restored step {rollback.after}: after a restore, saves "
                               "continue with later step numbers (the steps after it belong to the abandoned run)")
-        if self.rank == 0:
-            self._leases.ensure(self._tiers[0].store)  # a second writer is refused here, before any write
-        if self._tiers[0].store.exists(manifest_key(step)) and (rollback is None or step in self._saved_since_restore):
+        first = self._tiers[0]
+        if self._cluster.leads(first):
+            self._cluster.ensure(first)  # a second writer is refused here, before any write
+        if not first.node_local and first.store.exists(manifest_key(step)) and \
+                (rollback is None or step in self._saved_since_restore):
             raise ConfigError(
-                f"step {step} already has a committed checkpoint on {self._tiers[0].url}; checkpoints are immutable: "
+                f"step {step} already has a committed checkpoint on {first.url}; checkpoints are immutable: "
                 "use a new step number or delete the old one first"
             )
-        flat = flatten(state)
+        return rollback
+
+    def _staged(self, step: int, tensors: dict[str, torch.Tensor], places: dict[str, Placement], tree: Any,
+                rollback: Rollback | None, handle: SaveHandle) -> Staged:
+        """Lay out the shard and copy it into a staging buffer (the part a save blocks for)."""
         meta = {"tierio.step": str(step), "tierio.rank": str(self.rank), "tierio.world_size": str(self.world_size)}
-        layout = plan_shard(flat.tensors, meta)
-        need = layout.total_bytes
+        layout = plan_shard(tensors, meta)
+        need = handle.bytes = layout.total_bytes
         if self.memory_budget is not None and align_up(need) > self.memory_budget:
             raise ConfigError(
                 f"rank {self.rank}'s shard for step {step} needs {human_bytes(need)} of staging memory, above "
                 f"memory_budget={human_bytes(self.memory_budget)}; raise the budget"
             )
-        handle = SaveHandle(step, bytes=need)
         tw = time.perf_counter()
         # Waits while the previous persist still owns the buffers; a background failure ends the wait.
         buf = self._staging.acquire(need, abort=self._raise_background_error)
         handle.wait_seconds = time.perf_counter() - tw
         try:
             self._raise_background_error()
-            self._check_space(need, step)
+            check_space(self._tiers[0], need, step, self.rank)
             with self._lock:
                 self._inflight.add(step)
-            self._stage(layout, flat.tensors, buf)
+            self._stager.stage(layout, tensors, buf)
         except BaseException:
             with self._lock:
                 self._inflight.discard(step)
             self._staging.release(buf)
             raise
-        handle.blocking_seconds = time.perf_counter() - t0
-        handle.staged.set_result(step)
         with self._lock:
             if rollback is not None:
                 rollback.first = step if rollback.first is None else rollback.first
                 self._saved_since_restore.add(step)
+        return Staged(layout, tree, places, buf, rollback)
+
+    # -- torch.distributed.checkpoint (ckpt.dcp) -------------------------------------------------
+    def write_now(self, step: int, tensors: dict[str, torch.Tensor], places: dict[str, Placement]) -> Own:
+        """Write this rank's shard and record of ``step`` now, in this thread, and when tier 0 is
+        node-local copy them to the first shared tier too (``ckpt.dcp``'s write_data). ``places``
+        places the global tensors' slices; the step is committed by ``commit_now``."""
+        rollback = self._begin(step)
+        if all(t.device.type == "cpu" and t.is_contiguous() for t in tensors.values()):
+            # DCP blocks while it saves: the tensors go out through the writer's bounce buffers,
+            # copied while earlier requests are in flight, instead of all staged first.
+            layout = plan_shard(tensors, {"tierio.step": str(step), "tierio.rank": str(self.rank),
+                                          "tierio.world_size": str(self.world_size)})
+            self._raise_background_error()
+            check_space(self._tiers[0], layout.total_bytes, step, self.rank)
+            with self._lock:
+                self._inflight.add(step)
+                if rollback is not None:
+                    rollback.first = step if rollback.first is None else rollback.first
+                    self._saved_since_restore.add(step)
+            job = Staged(layout, None, places, None, rollback, ShardBytes(layout, tensors))
+        else:
+            job = self._staged(step, tensors, places, None, rollback, SaveHandle(step))
+        own: Own | None = None
+        try:
+            own, lineage = self._write(step, job, True)
+            if self._tiers[0].node_local:
+                shared = self._commit_tier()
+                self._cluster.ensure(shared)
+                self._account(shared, copy_shard(self._tiers[0].store, shared.store, step, own.entry, self._cluster.pool,
+                                                 self._cluster.limiter))
+                write_record(shared.store, step, self.world_size, own.entry, lineage.token)
+        except BaseException:
+            self._cleanup_failed(step, own)
+            with self._lock:
+                self._inflight.discard(step)
+            raise
+        return own
+
+    def commit_now(self, step: int, parts: dict[int, Own], tree: Any) -> None:
+        """Commit ``step`` from every rank's part, with one job-wide state ``tree`` (``ckpt.dcp``'s
+        finish, on the coordinator)."""
+        store = self._commit_tier().store
+        with self._lock:
+            rollback = self._rollback
+        lineage = Lineage(self._run(), rollback.after if rollback is not None else None)
+        plan = CommitPlan(step, self.world_size, {r: p.record for r, p in parts.items() if p.record is not None},
+                          {r: p.entry.bytes for r, p in parts.items()}, lineage.extra(),
+                          {r: p.entry for r, p in parts.items()}, tree, self.options.inline_records)
+        commit(store, build_manifest(store, plan), [p.record.name for p in parts.values() if p.record is not None])
+
+    def track(self, step: int, own: Own) -> SaveHandle:
+        """After ``write_now``: wait for the commit of ``step`` and promote this rank's part of it,
+        in the background, like a save's."""
+        handle = SaveHandle(step, bytes=own.entry.bytes)
+        handle.staged.set_result(step)
+        handle.persisted.set_result(step)
+        with self._lock:
             self._handles.append(handle)
-            self._saves.append({"step": step, "bytes": need, "blocking_seconds": handle.blocking_seconds,
-                                "wait_seconds": handle.wait_seconds})
-        events.emit(events.CheckpointStaged(step, self._tiers[0].url, need, handle.blocking_seconds, handle.wait_seconds))
-        self._persist_pool.submit(self._persist, handle, layout, flat.tree, flat.tensors, buf, rollback)
+
+        def run() -> None:
+            try:
+                await_commit(self._commit_tier().store, step, own.entry, own.record, self._cluster.wait)
+                handle.committed.set_result(step)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller through the handle
+                with self._lock:
+                    self._inflight.discard(step)
+                handle.fail(exc)
+                return
+            if len(self._tiers) > 1:
+                self._promote_steps([step], handle, False)
+            else:
+                with self._lock:
+                    self._inflight.discard(step)
+                self._maybe_gc()
+                handle.promoted.set_result(step)
+        self._promote_pool.submit(run)
         return handle
 
-    def restore(self, step: int | None = None, into: Any = None) -> Any:
-        """Restore ``step`` (default: the latest committed) from the fastest tier with a good copy.
+    def sources(self, first: str | None = None) -> list[Source]:
+        """The tiers a restore reads files from: this node's local tiers, then the shared tier
+        ``first`` (a url; the one whose manifest is used), then the other shared tiers, fastest first."""
+        shared = [t for t in self._tiers if not t.node_local]
+        shared.sort(key=lambda t: t.url != first)  # stable: otherwise fastest first
+        return [Source(t.store, True) for t in self._tiers if t.node_local] + [Source(t.store) for t in shared]
 
-        A copy with a missing file or a checksum mismatch is skipped with a warning naming it, and
-        the next tier is tried. With ``into=``, tensors are filled in place where shapes match.
+    def _commit_tier(self) -> TierState:
+        """Where a step is committed: tier 0, or the first shared tier after node-local ones."""
+        return next(ts for ts in self._tiers if not ts.node_local)
+
+    def restore(self, step: int | None = None, into: Any = None, *, per_rank: str = "strict") -> Any:
+        """Restore ``step`` (default: the newest step every rank can restore) from the fastest tiers
+        holding good copies; every chunk verified.
+
+        With a process group, the ranks agree on the step (a collective in this thread). Each file
+        comes from the first tier with a good copy (a node-local tier first); a bad or missing copy
+        is skipped with a warning naming it. Global tensors (saved as DTensors or TensorSlices)
+        restore into any world size and placement: pass DTensors or TensorSlices in ``into=`` to
+        receive the part they hold, or nothing to receive whole tensors (ckpt.restore). With
+        ``into=``, tensors are filled in place where shapes match. On another world size, plain
+        tensors that differ between the saved ranks are refused unless ``per_rank="own"``.
 
         Saving after a restore of an older step is a rollback: the first save retires the steps after
         it on every tier (see ``tierio.ckpt.lineage``)."""
         self._check_open()
-        # Persists in flight land first (none may land after the rollback point); promotions are not
-        # waited for, so a stalled slower tier never holds up a restore from a faster one.
+        # Persists and global commits in flight land first (none may land after the rollback
+        # point); promotions are not waited for, so a stalled slower tier never holds up a restore.
         self._drain(promotions=False)
         started = time.perf_counter()
         candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
-        if not candidates:
-            raise NotFoundError(f"no committed checkpoint on any tier ({', '.join(self.tiers)})")
-        failures: list[str] = []
-        for s in candidates:
-            for ts in self._tiers:
-                try:
-                    if not ts.store.exists(manifest_key(s)):
-                        continue
-                    man = read_manifest(ts.store, s)
-                    if man.world_size != self.world_size:
-                        raise ConfigError(
-                            f"step {s} on {ts.url} was saved by {man.world_size} ranks, this job has {self.world_size}; "
-                            "restore with the same world size (resharding is not supported yet)"
-                        )
-                    state = load_rank(ts.store, man, self.rank, into)
-                    self._note_restore(s, ts.url)
-                    events.emit(events.CheckpointRestored(s, ts.url, time.perf_counter() - started))
-                    if failures:
-                        log.warning("restored step %d from %s after: %s", s, ts.url, "; ".join(failures))
-                    return state
-                except ConfigError:
-                    raise
-                except (FormatError, IntegrityError, StorageError) as exc:
-                    msg = f"copy of step {s} on {ts.url} is unusable: {exc}"
-                    warnings.warn(msg + "; trying the next tier", stacklevel=2)
-                    log.warning("%s", msg)
-                    failures.append(msg)
-                    events.emit(events.CopyUnusable(s, ts.url, str(exc)))
-            if step is None and s != candidates[-1]:
-                warnings.warn(f"no valid copy of step {s} on any tier; falling back to an older step", stacklevel=2)
-        raise IntegrityError(
-            f"no valid copy of step {candidates[0] if step is not None else 'any'} on any tier: " + "; ".join(failures or ["none found"])
-        )
+        req = recovery.Request(self.rank, self.world_size, into, per_rank, self._tiers, self.sources)
+        got = recovery.restore(req, candidates, recovery.Agreement(self._group, self.world_size), step is not None)
+        self._note_restore(got.step, got.url)
+        events.emit(events.CheckpointRestored(got.step, got.url, time.perf_counter() - started))
+        return got.state
 
     def steps(self) -> list[int]:
         """Committed steps on any tier (an unreachable tier is skipped with a warning)."""
         out: set[int] = set()
         for ts in self._tiers:
+            if ts.node_local:
+                continue  # a node's copies are committed where the manifest is
             try:
                 out.update(committed_steps(ts.store))
             except StorageError as exc:
@@ -305,13 +343,19 @@ class CheckpointManager:
         return s[-1] if s else None
 
     def verify(self, step: int | None = None) -> VerifyReport:
-        """Check every tier's copy of ``step`` (default: latest) byte for byte."""
+        """Check every tier's copy of ``step`` (default: latest) byte for byte (on a node-local tier,
+        this node's files of it)."""
         step = self.latest() if step is None else step
         if step is None:
             raise NotFoundError(f"no committed checkpoint on any tier ({', '.join(self.tiers)})")
         report = VerifyReport(step)
+        shared = [ts for ts in self._tiers if not ts.node_local]
         for ts in self._tiers:
-            verify_copy(ts.store, step, report)
+            if ts.node_local:
+                man = next((read_manifest(s.store, step) for s in shared if s.store.exists(manifest_key(step))), None)
+                verify_copy(ts.store, step, report, manifest=man)
+            else:
+                verify_copy(ts.store, step, report)
         return report
 
     def promote(self, step: int | None = None) -> None:
@@ -319,13 +363,14 @@ class CheckpointManager:
         self._check_open()
         if len(self._tiers) < 2:
             return
-        steps = [step] if step is not None else committed_steps(self._tiers[0].store)[-1:]
+        steps = [step] if step is not None else self.steps()[-1:]
         self._promote_pool.submit(self._promote_steps, steps, None, True).result()
 
     def gc(self) -> list[tuple[str, int]]:
-        """Apply retention to every tier now and clean up what interrupted writes left there (rank 0);
-        returns the (tier url, step) copies deleted."""
-        if self.rank != 0:
+        """Apply retention to every tier this rank leads now and clean up what interrupted writes
+        left there (rank 0; a node's lowest rank for its node-local tiers); returns the (tier url,
+        step) copies deleted."""
+        if not any(self._cluster.leads(ts) for ts in self._tiers):
             return []
         return self._gc(sweep_all=True)
 
@@ -333,28 +378,6 @@ class CheckpointManager:
         """Wait for every save in flight (persist and promotion); raises a background persist failure."""
         self._drain()
         self._raise_background_error()
-
-    def _note_restore(self, step: int, url: str) -> None:
-        """The next save starts a branch from ``step``: pending promotions of later steps are dropped
-        (they belong to the abandoned branch) and that save retires them everywhere."""
-        with self._lock:
-            self.restored_step, self.restored_from = step, url
-            self._rollback = Rollback(step)
-            self._saved_since_restore = set()
-            self._pending = {s for s in self._pending if s <= step}
-
-    def _drain(self, promotions: bool = True) -> None:
-        with self._lock:
-            handles = list(self._handles)
-        for h in handles:
-            try:
-                h.persisted.exception()
-                if promotions:
-                    h.promoted.exception()
-            except BaseException:  # noqa: BLE001 - surfaced by wait() through _error
-                pass
-        with self._lock:
-            self._handles = [h for h in self._handles if not h.done()]
 
     def close(self) -> None:
         if self._closed:
@@ -394,12 +417,13 @@ class CheckpointManager:
         return {
             "rank": self.rank,
             "world_size": self.world_size,
+            "node": self.node,
             "run_id": self.run_id,
             "leases": self._leases.status(),
             "staging_bytes": self._staging.allocated_bytes,
             "staging_allocations": self._staging.allocations,
             "tiers": [
-                {"url": t.url, "bytes_written": t.bytes, "seconds": t.seconds, "files": t.files,
+                {"url": t.url, "scope": t.tier.scope, "bytes_written": t.bytes, "seconds": t.seconds, "files": t.files,
                  "gb_per_s": t.bytes / t.seconds / 1e9 if t.seconds else 0.0}
                 for t in self._tiers
             ],
@@ -407,100 +431,58 @@ class CheckpointManager:
             "pending_promotions": sorted(self._pending),
         }
 
-    # -- staging ---------------------------------------------------------------------------------
-    def _stage(self, layout, tensors: dict[str, torch.Tensor], buf: HostBuffer) -> None:
-        cuda = any(t.is_cuda for t in tensors.values())
-        stream = None
-        if cuda and torch.cuda.is_available():
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()
-            stream = self._stream
-            stream.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad():
-            stage_into(layout, tensors, buf.tensor(), stream)
-        if stream is not None:
-            stream.synchronize()
+    # -- restore ---------------------------------------------------------------------------------
+    def _note_restore(self, step: int, url: str) -> None:
+        """The next save starts a branch from ``step``: pending promotions of later steps are dropped
+        (they belong to the abandoned branch) and that save retires them everywhere."""
+        with self._lock:
+            self.restored_step, self.restored_from = step, url
+            self._rollback = Rollback(step)
+            self._saved_since_restore = set()
+            self._pending = {s for s in self._pending if s <= step}
+            self._unpublished = {s: v for s, v in self._unpublished.items() if s <= step}
 
-    def _check_space(self, need: int, step: int) -> None:
-        ts = self._tiers[0]
-        cap = ts.store.capacity()
-        if cap is None:
-            return
-        total, free = cap
-        if free < need + (1 << 20):
-            raise DiskFullError(
-                f"tier 0 ({ts.url}) has {human_bytes(free)} free but step {step} needs {human_bytes(need)} on rank "
-                f"{self.rank}: free space, keep fewer checkpoints there (retention) or point the tier elsewhere; "
-                "earlier checkpoints are intact"
-            )
-        used = (total - free + need) / total if total else 0.0
-        if used >= CAPACITY_WARN and not ts.warned_capacity:
-            ts.warned_capacity = True
-            warnings.warn(f"{ts.url} will be {used:.0%} full after step {step}; tighten retention or add space", stacklevel=3)
-        elif used < CAPACITY_WARN:
-            ts.warned_capacity = False
-
-    # -- background: persist ---------------------------------------------------------------------
-    def _persist(self, handle: SaveHandle, layout, tree: Any, tensors: dict[str, torch.Tensor], buf: HostBuffer,
-                 rollback: Rollback | None) -> None:
-        step = handle.step
-        t0 = self._tiers[0]
-        released = False
-        try:
-            self._leases.ensure(t0.store)  # other ranks: wait for rank 0's lease naming this run
-            if rollback is not None and self.rank == 0:
-                self._retire(rollback)
-            view = buf.view[: layout.total_bytes]
-            fname = shard_name(self.rank)
-
-            def checksums() -> dict[str, TensorInfo]:
-                out = {}
-                for name, e in layout.header.tensors.items():
-                    chunks = [
-                        ChunkInfo(fname, c.begin, c.end, (c.row0,) + (0,) * (len(e.shape) - 1) if e.shape else (),
-                                  c.shape, xxh3(view[c.begin : c.end]))
-                        for c in layout.chunks[name]
-                    ]
-                    out[name] = TensorInfo(name, e.dtype, e.shape, chunks)
-                return out
-
-            # Checksum the staged bytes while the same bytes stream to disk (both only read the
-            # buffer); the manifest entry needs them only at commit time.
-            sums = self._checksum_pool.submit(checksums)
-            start = time.perf_counter()
+    def _drain(self, promotions: bool = True) -> None:
+        with self._lock:
+            handles = list(self._handles)
+        for h in handles:
             try:
-                t0.store.put_buffers(shard_key(step, self.rank), [view])
-            finally:
-                entry_tensors = sums.result()
-            self._account(t0, layout.total_bytes, time.perf_counter() - start)
-            entry = RankEntry(self.rank, fname, layout.total_bytes, tree, entry_tensors)
-            self._staging.release(buf)
-            released = True
-            lineage = Lineage(self._run(), rollback.after if rollback is not None else None)
-            if self.world_size == 1:
-                self._commit(t0.store, step, lineage, entry)
+                h.persisted.exception()
+                h.committed.exception()
+                if promotions:
+                    h.promoted.exception()
+            except BaseException:  # noqa: BLE001 - surfaced by wait() through _error
+                pass
+        with self._lock:
+            self._handles = [h for h in self._handles if not h.done()]
+
+    # -- staging ---------------------------------------------------------------------------------
+    # -- background: persist ---------------------------------------------------------------------
+    def _persist(self, handle: SaveHandle, job: Staged) -> None:
+        step = handle.step
+        own: Own | None = None
+        try:
+            start = time.perf_counter()
+            own, lineage = self._write(step, job, self.world_size > 1 or self._tiers[0].node_local)
+            if self._tiers[0].node_local:
+                with self._lock:
+                    self._unpublished[step] = (own, lineage)
             else:
-                mine = fragment_key(step, self.rank, lineage.token)
-                t0.store.put_buffers(mine, [encode_fragment(step, self.world_size, entry)])
-                if self.rank == 0:
-                    self._commit(t0.store, step, lineage)
-                else:
-                    self._await_commit(t0.store, step, mine)
+                commit_on(self._cluster, self._tiers[0].store, step, own, lineage)
+                handle.committed.set_result(step)
             with self._lock:
                 self._saves_update(step, persist_seconds=time.perf_counter() - start)
-            events.emit(events.CheckpointPersisted(step, t0.url, layout.total_bytes, time.perf_counter() - start, len(self._tiers) > 1))
+            events.emit(events.CheckpointPersisted(step, self._tiers[0].url, job.layout.total_bytes, time.perf_counter() - start,
+                                                   len(self._tiers) > 1))
             handle.persisted.set_result(step)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller through the handle
-            if not released:
-                self._staging.release(buf)
-            self._cleanup_failed(step)
+            self._cleanup_failed(step, own)
             with self._lock:
                 self._inflight.discard(step)
                 if self._error is None:
                     self._error = exc
             self._staging.wake()  # a save waiting for a buffer raises this error instead
-            handle.persisted.set_exception(exc)
-            handle.promoted.set_exception(exc)
+            handle.fail(exc)
             log.error("checkpoint of step %d failed: %s", step, exc)
             return
         if len(self._tiers) > 1:
@@ -511,101 +493,88 @@ class CheckpointManager:
             self._maybe_gc()
             handle.promoted.set_result(step)
 
+    def _write(self, step: int, job: Staged, record: bool) -> tuple[Own, Lineage]:
+        """This rank's part of ``step`` on tier 0: the shard (checksummed while it streams out), then
+        its record (when asked). The staging buffer is released whatever happens."""
+        t0 = self._tiers[0]
+        try:
+            self._cluster.ensure(t0)  # other ranks: wait for the leader's lease naming this run
+            if job.rollback is not None:
+                self._retire(job.rollback)
+            parts, view = job.parts()
+            fname = shard_name(self.rank)
+            # Checksum the bytes while the same bytes stream to disk (both only read them); the
+            # record needs the checksums only once the shard is durable.
+            sums = self._checksum_pool.submit(describe, job.layout, view, fname, job.places)
+            start = time.perf_counter()
+            try:
+                t0.store.put_buffers(shard_key(step, self.rank), parts)
+            finally:
+                tensors = sums.result()
+            self._account(t0, CopyStats(job.layout.total_bytes, time.perf_counter() - start, 1))
+        finally:
+            if job.buf is not None:
+                self._staging.release(job.buf)
+        entry = RankEntry(self.rank, fname, job.layout.total_bytes, job.tree, tensors)
+        lineage = Lineage(self._run(), job.rollback.after if job.rollback is not None else None)
+        ref = write_record(t0.store, step, self.world_size, entry, lineage.token) if record else None
+        return Own(entry, ref), lineage
+
     def _run(self) -> str:
         run = self._leases.run
         assert run is not None, "the lease check sets the run id before any write"
         return run
 
     def _retire(self, rollback: Rollback) -> None:
-        """Rank 0, before the first commit after a restore: the abandoned steps stop being
-        checkpoints on every tier (manifests), and their directories go from tier 0. A slower tier
-        that cannot be reached now is retired by its next promotion, before anything lands there."""
+        """Before the first commit after a restore: the abandoned steps stop being checkpoints on
+        every shared tier (rank 0 deletes their manifests), and their directories go from tier 0
+        (rank 0) or from each node's local tier (its leader). A slower tier that cannot be reached
+        now is retired by its next promotion, before anything lands there."""
+        first_shared = self._commit_tier()
         for ts in self._tiers:
+            if not self._cluster.leads(ts):
+                continue
             try:
-                self._leases.ensure(ts.store)
+                self._cluster.ensure(ts)
                 rollback.retire_manifests(ts.store)
             except (StorageError, FormatError) as exc:
-                if ts is self._tiers[0]:
+                if ts is first_shared:
                     raise
                 log.warning("could not retire the abandoned steps on %s yet (%s); its next promotion will", ts.url, exc)
-        rollback.retire_dirs(self._tiers[0].store)
+        t0 = self._tiers[0]
+        if self._cluster.leads(t0):
+            rollback.retire_dirs(t0.store)
 
-    def _commit(self, store: Store, step: int, lineage: Lineage, own: RankEntry | None = None) -> None:
-        """Rank 0: wait for every rank's fragment, merge them into the manifest, write it last."""
-        entries: list[RankEntry | None] = [None] * self.world_size
-        if own is not None:
-            entries[0] = own
-
-        def all_there() -> bool:
-            for r in range(self.world_size):
-                if entries[r] is None:
-                    key = fragment_key(step, r, lineage.token)
-                    try:
-                        raw = read_bytes(store, key)
-                    except NotFoundError:
-                        continue  # that rank's shard is not durable yet
-                    entries[r] = parse_fragment(raw, where(store, key), step, self.world_size)
-            return all(e is not None for e in entries)
-
-        self._await(all_there, f"every rank's shard of step {step} on {store.url}")
-        stamp, ts = utc_now()
-        man = Manifest(step, self.world_size, [e for e in entries if e is not None], stamp, ts, lineage.extra())
-        store.put_buffers(manifest_key(step), [man.encode()])
-        if own is None:
-            self._drop_fragments(store, step, lineage.token)
-
-    def _drop_fragments(self, store: Store, step: int, token: str) -> None:
-        """After the commit: the manifest holds the fragments now; their removal tells the other
-        ranks that this run's commit (not an older manifest of the same step) happened."""
-        for r in range(self.world_size):
-            try:
-                store.delete(fragment_key(step, r, token))
-            except StorageError as exc:
-                log.warning("could not remove a fragment of step %d on %s: %s", step, store.url, exc)
-
-    def _await_commit(self, store: Store, step: int, fragment: str) -> None:
-        """Other ranks: rank 0 committed this run's step once it removed our fragment."""
-        self._await(lambda: not store.exists(fragment) and store.exists(manifest_key(step)),
-                    f"rank 0 to commit step {step} on {store.url}")
-
-    def _await(self, ready, what: str) -> None:
-        deadline = time.monotonic() + self.commit_timeout
-        delay = _POLL
-        while not ready():
-            if time.monotonic() > deadline:
-                raise StorageError(f"timed out after {self.commit_timeout:.0f}s waiting for {what}; did a rank die?")
-            time.sleep(delay)
-            delay = min(delay * 1.5, 0.5)
-
-    def _cleanup_failed(self, step: int) -> None:
+    def _cleanup_failed(self, step: int, own: Own | None) -> None:
         """Remove this rank's partial files of a failed step (frees space after a full disk)."""
         store = self._tiers[0].store
-        keys = [shard_key(step, self.rank)]
-        if self._leases.run is not None:
-            keys.append(fragment_key(step, self.rank, Lineage(self._leases.run).token))
-        for key in keys:
-            try:
-                if not store.exists(manifest_key(step)):
-                    store.delete(key)
-            except Exception:  # noqa: BLE001 - best effort
-                pass
+        try:
+            if not store.exists(manifest_key(step)):
+                store.delete(shard_key(step, self.rank))
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+        if own is not None:
+            drop_record(store, step, own.record)
+            with self._lock:
+                self._unpublished.pop(step, None)
 
-    # -- background: promotion -------------------------------------------------------------------
+    # -- background: publication and promotion ---------------------------------------------------
     def _promote_steps(self, extra: list[int], handle: SaveHandle | None, strict: bool) -> None:
-        """Runs on the promotion thread: promote every pending step and ``extra`` to every slower tier."""
+        """Runs on the promotion thread: publish and promote every pending step and ``extra``."""
         last_exc: BaseException | None = None
         done: list[int] = []
         with self._lock:
-            steps = sorted(self._pending | set(extra))
+            steps = sorted(self._pending | set(extra) | set(self._unpublished))
             # A rollback is carried out by the saves after the restore, not by a promote() before them.
             rollback = self._rollback if self._rollback is not None and self._rollback.first is not None else None
         for step in steps:
             if self._abandoned(step):  # a restore to an earlier step came in meanwhile
                 if handle is not None and step == handle.step:
-                    handle.promoted.set_exception(ConfigError(f"step {step} was abandoned by a restore to an earlier step"))
+                    handle.fail(ConfigError(f"step {step} was abandoned by a restore to an earlier step"))
                 continue
             try:
-                self._promote_one(step, rollback)
+                self._publish(step)
+                promote_step(self._cluster, self._tiers, step, rollback, self._account)
                 with self._lock:
                     self._pending.discard(step)
                 done.append(step)
@@ -619,7 +588,7 @@ class CheckpointManager:
                 if not strict:
                     warnings.warn(msg, stacklevel=1)
                 if handle is not None and step == handle.step:
-                    handle.promoted.set_exception(exc)
+                    handle.fail(exc)
         if handle is not None:
             with self._lock:
                 self._inflight.discard(handle.step)
@@ -629,73 +598,39 @@ class CheckpointManager:
         if strict and last_exc is not None:
             raise last_exc
 
-    def _promote_one(self, step: int, rollback: Rollback | None) -> None:
-        src = None
-        for ts in self._tiers:
-            if ts.store.exists(manifest_key(step)):
-                src = ts
-                break
-        if src is None:
-            raise NotFoundError(f"step {step} has no committed copy on any tier; nothing to promote")
-        raw, man = read_manifest_raw(src.store, step)
-        if man.world_size != self.world_size:
-            raise ConfigError(f"step {step} on {src.url} was saved by {man.world_size} ranks; this job has {self.world_size}")
-        for dst in self._tiers[self._tiers.index(src) + 1 :]:
-            there = manifest_on(dst.store, step)
-            if there == raw:
-                continue  # already there: the same checkpoint, byte for byte
-            self._leases.ensure(dst.store)
-            if self.rank == 0:
-                self._clear_destination(dst.store, step, rollback, there is not None)
-            stats: CopyStats = copy_shard(src.store, dst.store, step, man.ranks[self.rank], self._promo_pool, self.limiter)
-            self._account(dst, stats.bytes, stats.seconds)
-            self._commit_copy(dst.store, step, raw, man.ranks)
-
-    def _clear_destination(self, dst: Store, step: int, rollback: Rollback | None, other: bool) -> None:
-        """Rank 0, before promoting ``step`` to ``dst``: retire an abandoned branch there, and the
-        manifest of ``other`` checkpoint of this step there (it must not pass for this one)."""
-        if rollback is not None:
-            rollback.retire_dirs(dst)
-        if other:
-            log.warning("%s holds another checkpoint of step %d (an abandoned run's); replacing it", dst.url, step)
-            dst.delete(manifest_key(step))
-
-    def _commit_copy(self, dst: Store, step: int, raw: bytes, ranks: list[RankEntry]) -> None:
-        """Commit a promoted step on ``dst`` once every rank's shard is there (the manifest's bytes
-        name the copy: markers carry a digest of them, so a stale shard never completes it)."""
-        if self.world_size == 1:
-            commit_copy(dst, step, raw)
+    def _publish(self, step: int) -> None:
+        """A step saved on a node-local tier 0 and not yet committed globally: publish it."""
+        with self._lock:
+            item = self._unpublished.get(step)
+        if item is None:
             return
-        token = xxh3(raw)[:8]
-        mine = fragment_key(step, self.rank, token)
-        dst.put_buffers(mine, [b"{}"])
-        if self.rank != 0:
-            self._await_commit(dst, step, mine)
-            return
-        keys = [fragment_key(step, r, token) for r in range(self.world_size)]
-        self._await(lambda: all(dst.exists(k) for k in keys) and shards_present(dst, step, ranks),
-                    f"every rank's shard of step {step} on {dst.url}")
-        commit_copy(dst, step, raw)
-        self._drop_fragments(dst, step, token)
+        own, lineage = item
+        shared = self._commit_tier()
+        publish(self._cluster, self._tiers[0], shared, step, own, lineage, self._account)
+        with self._lock:
+            self._unpublished.pop(step, None)
+            waiting = [h for h in self._handles if h.step == step and not h.committed.done()]
+        for h in waiting:  # the save of this step (its own promotion run may have come first)
+            h.committed.set_result(step)
 
     def _find_unpromoted(self) -> None:
-        """Steps committed on a faster tier that a slower tier still wants (a promotion was cut short
-        by a crash or an outage) join the retry list; the next save's promotion picks them up.
-        Runs on the promotion thread, so a stalled tier delays only promotion."""
-        if len(self._tiers) < 2:
+        """Steps committed on a faster shared tier that a slower tier still wants (a promotion was
+        cut short by a crash or an outage) join the retry list; the next save's promotion picks
+        them up. Runs on the promotion thread, so a stalled tier delays only promotion."""
+        shared = [ts for ts in self._tiers if not ts.node_local]
+        if len(shared) < 2:
             return
         try:
-            held = [set(committed_steps(ts.store)) for ts in self._tiers]
+            held = [set(committed_steps(ts.store)) for ts in shared]
         except TierioError as exc:
             log.warning("cannot look for unpromoted checkpoints: %s", exc)
             return
-        for i, ts in enumerate(self._tiers[:-1]):
+        for i in range(len(shared) - 1):
             for step in held[i]:
-                for j in range(i + 1, len(self._tiers)):
+                for j in range(i + 1, len(shared)):
                     if step in held[j]:
                         continue
-                    policy = self._tiers[j].tier.retention
-                    if wanted({s: 0.0 for s in held[j]}, policy, step, time.time()):
+                    if wanted({s: 0.0 for s in held[j]}, shared[j].tier.retention, step, time.time()):
                         self._add_pending(step)
                         break
 
@@ -712,9 +647,10 @@ class CheckpointManager:
 
     # -- retention and clean-up ------------------------------------------------------------------
     def _maybe_gc(self) -> None:
-        if self.rank != 0:
+        if not any(self._cluster.leads(ts) for ts in self._tiers):
             return
-        if all(t.tier.retention is None for t in self._tiers) and all(t.url in self._swept for t in self._tiers):
+        if all(t.tier.retention is None for t in self._tiers) and all(t.url in self._swept for t in self._tiers
+                                                                      if self._cluster.leads(t)):
             return
         try:
             self._gc()
@@ -723,18 +659,21 @@ class CheckpointManager:
 
     def _gc(self, sweep_all: bool = False) -> list[tuple[str, int]]:
         self._scan.result()  # its pending steps must be protected
+        shared = next((ts.store for ts in self._tiers if not ts.node_local), None)
         with self._gc_lock:
             tiers = []
             for ts in self._tiers:
-                try:
-                    self._leases.ensure(ts.store)
-                    writable = True
-                except (LeaseError, StorageError, FormatError) as exc:
-                    log.warning("not cleaning %s: %s", ts.url, exc)
-                    writable = False
-                tiers.append(GcTier(ts.store, ts.tier.retention, writable, sweep_all or ts.url not in self._swept))
+                writable = self._cluster.leads(ts)
+                if writable:
+                    try:
+                        self._cluster.ensure(ts)
+                    except (LeaseError, StorageError, FormatError) as exc:
+                        log.warning("not cleaning %s: %s", ts.url, exc)
+                        writable = False
+                tiers.append(GcTier(ts.store, ts.tier.retention, writable, sweep_all or ts.url not in self._swept,
+                                    shared if ts.node_local else None))
             with self._lock:
-                protected = frozenset(self._inflight | self._pending)
+                protected = frozenset(self._inflight | self._pending | set(self._unpublished))
             report = collect(tiers, GcOptions(self.min_keep, protected, temp_grace=TEMP_GRACE))
             for w in report.warnings:
                 if not self._warned_min_keep:  # once per manager; the log keeps every instance
@@ -746,12 +685,12 @@ class CheckpointManager:
             return [(r.tier, r.step) for r in report.deleted]
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _account(self, ts: _TierState, nbytes: int, seconds: float) -> None:
+    def _account(self, ts: TierState, stats: CopyStats) -> None:
         with self._lock:
-            ts.bytes += nbytes
-            ts.seconds += seconds
-            ts.files += 1
-        events.emit(events.TierWritten(ts.url, nbytes, seconds))
+            ts.bytes += stats.bytes
+            ts.seconds += stats.seconds
+            ts.files += stats.files
+        events.emit(events.TierWritten(ts.url, stats.bytes, stats.seconds))
 
     def _saves_update(self, step: int, **kw: Any) -> None:
         for s in reversed(self._saves):
@@ -759,18 +698,12 @@ class CheckpointManager:
                 s.update(kw)
                 return
 
-    def _pop_error(self) -> BaseException:
-        err, self._error = self._error, None
-        assert err is not None
-        return err
-
     def _raise_background_error(self) -> None:
         with self._lock:
-            err = self._pop_error() if self._error is not None else None
+            err, self._error = self._error, None
         if err is not None:
             raise err
 
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError("this CheckpointManager is closed")
-

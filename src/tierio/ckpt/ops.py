@@ -18,13 +18,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tierio.errors import NotFoundError, TierioError
-from tierio.format.manifest import Manifest
+from tierio.format.manifest import Manifest, check_globals
 from tierio.format.shard import manifest_key, step_dir
 from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Store
 from tierio.storage.url import open_store
 from tierio.units import parse_size
 
+from tierio.ckpt.commit import read_records
 from tierio.ckpt.copy import CopyStats, copy_step
 from tierio.ckpt.gc import GcOptions, GcReport, GcTier, collect
 from tierio.ckpt.lease import Holder, tool_lease
@@ -40,7 +41,7 @@ class CheckpointInfo:
     time: str
     world_size: int
     bytes: int
-    tensors: int
+    tensors: int | None  # None: the manifest refers to rank records (inspect(..., records=True) counts them)
     files: list[str]
     error: str | None = None  # set when the manifest is unreadable
     run: str | None = None  # the run that saved it (None: saved before runs were recorded)
@@ -62,7 +63,8 @@ def list_checkpoints(url: str | Path | Store) -> list[CheckpointInfo]:
         try:
             m = read_manifest(store, step)
             lineage = Lineage.of(m, f"{store.url}/{manifest_key(step)}")
-            out.append(CheckpointInfo(step, m.time, m.world_size, m.total_bytes, m.num_tensors, m.files,
+            count = m.num_tensors if all(r.loaded for r in m.ranks) else None
+            out.append(CheckpointInfo(step, m.time, m.world_size, m.total_bytes, count, m.files,
                                       run=lineage.run if lineage else None,
                                       resumed_from=lineage.resumed_from if lineage else None))
         except TierioError as exc:
@@ -77,13 +79,19 @@ def _latest(store: Store) -> int:
     return steps[-1]
 
 
-def inspect(url: str | Path | Store, step: int | None = None) -> Manifest:
-    """The parsed (strictly validated) manifest of ``step`` (default: latest)."""
+def inspect(url: str | Path | Store, step: int | None = None, *, records: bool = False) -> Manifest:
+    """The parsed (strictly validated) manifest of ``step`` (default: latest). With ``records``,
+    rank entries the manifest refers to are read from their records (each checked against its xxh3)."""
     store = _store(url)
     step = _latest(store) if step is None else step
     if not store.exists(manifest_key(step)):
         raise NotFoundError(f"no committed checkpoint of step {step} in {store.url}; `tierio ckpt ls` lists them")
-    return read_manifest(store, step)
+    man = read_manifest(store, step)
+    if records and not all(r.loaded for r in man.ranks):
+        loaded = read_records(store, step, man.world_size, {r.rank: r.record for r in man.ranks if r.record is not None})
+        man.ranks = [loaded.get(r.rank, r) for r in man.ranks]
+        check_globals(man, f"{store.url}/{manifest_key(step)}")
+    return man
 
 
 def verify(url: str | Path | Store, step: int | None = None) -> VerifyReport:

@@ -1,37 +1,24 @@
-"""Reading checkpoints from one store: listing, manifests, verified restore and verification.
+"""Reading checkpoints from one store: listings, manifests, shard checks and verification.
 
-Restore reads each tensor's bytes with large parallel requests straight into their final memory:
-into the caller's tensors when ``into=`` names matching CPU tensors, else into one fresh aligned
-buffer that the returned tensors view (no second copy). Every chunk is checked against its xxh3
-before the state is handed back.
+(Restoring state is ``ckpt.restore``; which chunks a restore reads is ``ckpt.reshard``.)
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
-import torch
-
-from tierio.errors import ConfigError, FormatError, IntegrityError, NotFoundError, StorageError, TierioError
-from tierio.format.manifest import MAX_MANIFEST_BYTES, Manifest, RankEntry, TensorInfo, parse_manifest
-from tierio.format.safetensors import read_header_from, torch_dtype
+from tierio.errors import FormatError, IntegrityError, NotFoundError, StorageError, TierioError
+from tierio.format.manifest import MAX_MANIFEST_BYTES, Manifest, RankEntry, parse_manifest
+from tierio.format.safetensors import read_header_from
 from tierio.format.shard import manifest_key, parse_step_dir, step_dir
-from tierio.format.statetree import unflatten
 from tierio.io.buffers import HostBuffer
-from tierio.io.checksum import verify as verify_checksum
 from tierio.io.checksum import xxh3
-from tierio.io.untrusted import parsing
 from tierio.storage.base import Store, read_bytes
-from tierio.storage.scatter import read_scatter
+
+from tierio.ckpt.commit import read_record, where
 
 log = logging.getLogger(__name__)
-
-
-
-def where(store: Store, key: str) -> str:
-    return f"{store.url.split('?')[0].rstrip('/')}/{key}"
 
 
 def step_dirs(store: Store) -> dict[int, list[str]]:
@@ -94,114 +81,6 @@ def check_shard(store: Store, step: int, entry: RankEntry) -> None:
             raise IntegrityError(f"{w}: the chunks of tensor {t.name!r} lie outside its bytes in the shard header")
 
 
-def _byte_view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
-
-
-def _direct_target(target: torch.Tensor | None, info: TensorInfo) -> bool:
-    return (
-        target is not None
-        and target.device.type == "cpu"
-        and target.is_contiguous()
-        and target.dtype == torch_dtype(info.dtype)
-        and tuple(target.shape) == info.shape
-        and target.numel() > 0
-    )
-
-
-def _check_target(target: torch.Tensor, info: TensorInfo, name: str) -> None:
-    if tuple(target.shape) != info.shape or target.dtype != torch_dtype(info.dtype):
-        raise ConfigError(
-            f"into= tensor for {name!r} has shape {list(target.shape)} and dtype {target.dtype}; the checkpoint holds "
-            f"{list(info.shape)} {torch_dtype(info.dtype)}; pass a matching tensor or restore without into="
-        )
-
-
-def load_rank(store: Store, manifest: Manifest, rank: int, into: Any = None, *, verify: bool = True) -> Any:
-    """Restore rank ``rank``'s state tree from ``store`` (every chunk verified)."""
-    entry = manifest.ranks[rank]
-    step = manifest.step
-    key = f"{step_dir(step)}/{entry.file}"
-    w = where(store, key)
-    check_shard(store, step, entry)
-    if any(c.offsets != (0,) * len(c.offsets) or t.shape != _local_shape(t) for t in entry.tensors.values() for c in t.chunks[:1]):
-        raise FormatError(f"{w}: holds slices of larger tensors; restoring them needs resharding, which this version cannot do")
-
-    # Pass 1: find what in ``into`` each tensor should land in.
-    targets: dict[str, torch.Tensor | None] = {}
-
-    def note(name: str, target: torch.Tensor | None) -> torch.Tensor:
-        if name not in entry.tensors:
-            raise FormatError(f"{w}: state tree refers to unknown tensor {name!r}")
-        if targets.get(name) is None:
-            targets[name] = target
-        return torch.empty(0)
-
-    with parsing(f"{w}: the state tree of its manifest"):  # a hostile tree is a bad copy, not a crash
-        unflatten(entry.tree, note, into)
-
-    # Pass 2: read. Matching CPU targets receive their bytes in place; every other tensor gets a
-    # fresh contiguous tensor of the stored dtype (copied into its target, if any, in pass 3).
-    views: dict[str, memoryview] = {}
-    fresh: dict[str, torch.Tensor] = {}
-    spans: list[tuple[int, memoryview]] = []
-    for name, tgt in targets.items():
-        info = entry.tensors[name]
-        if tgt is not None:
-            _check_target(tgt, info, name)
-        if _direct_target(tgt, info):
-            views[name] = _byte_view(tgt)
-        elif info.nbytes:
-            fresh[name] = torch.empty(info.shape, dtype=torch_dtype(info.dtype))
-            views[name] = _byte_view(fresh[name])
-        else:
-            views[name] = memoryview(b"")
-        if info.nbytes:
-            spans.append((info.chunks[0].begin, views[name]))
-    read_scatter(store, key, spans)
-
-    if verify:
-        for name in targets:
-            info = entry.tensors[name]
-            start = info.chunks[0].begin
-            for i, c in enumerate(info.chunks):
-                verify_checksum(views[name][c.begin - start : c.end - start], c.xxh3,
-                                f"{w}, tensor {name!r} chunk {i} (bytes {c.begin}..{c.end})")
-
-    # Pass 3: build the state; tied tensors come back as one object.
-    made: dict[str, torch.Tensor] = {}
-
-    def get(name: str, target: torch.Tensor | None) -> torch.Tensor:
-        if name in made:
-            return made[name]
-        info = entry.tensors[name]
-        dtype = torch_dtype(info.dtype)
-        tgt = targets.get(name)
-        if tgt is not None and _direct_target(tgt, info):
-            out = tgt
-        else:
-            src = fresh[name] if name in fresh else torch.empty(info.shape, dtype=dtype)
-            if tgt is not None:
-                with torch.no_grad():
-                    tgt.copy_(src)
-                out = tgt
-            else:
-                out = src
-        made[name] = out
-        return out
-
-    with parsing(f"{w}: the state tree of its manifest"):
-        return unflatten(entry.tree, get, into)
-
-
-def _local_shape(t: TensorInfo) -> tuple[int, ...]:
-    """Shape covered by this rank's chunks (rows concatenated along dim 0)."""
-    if len(t.chunks) == 1:
-        return t.chunks[0].shape
-    first = t.chunks[0].shape
-    return (sum(c.shape[0] for c in t.chunks), *first[1:])
-
-
 # -- verification ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Problem:
@@ -240,11 +119,20 @@ class VerifyReport:
         }
 
 
-def verify_copy(store: Store, step: int, report: VerifyReport, chunk_buf_bytes: int = 64 << 20) -> None:
-    """Check one store's copy of ``step`` byte for byte; problems are added to ``report``."""
+def verify_copy(store: Store, step: int, report: VerifyReport, chunk_buf_bytes: int = 64 << 20, *,
+                manifest: Manifest | None = None) -> None:
+    """Check one store's copy of ``step`` byte for byte; problems are added to ``report``.
+
+    With ``manifest`` (the step's, from a shared tier), ``store`` is a node-local tier: the files
+    of the ranks it holds are checked, the others are not expected there."""
     tier = store.url
     mkey = manifest_key(step)
     before = len(report.problems)
+    if manifest is not None:
+        checked = report.bytes_checked
+        _verify_files(store, manifest, report, chunk_buf_bytes, node_local=True)
+        report.copies[tier] = "bad" if len(report.problems) > before else ("ok" if report.bytes_checked > checked else "absent")
+        return
     try:
         if not store.exists(mkey):
             if store.list(step_dir(step) + "/"):
@@ -258,8 +146,25 @@ def verify_copy(store: Store, step: int, report: VerifyReport, chunk_buf_bytes: 
         report.problems.append(Problem(tier, mkey, None, str(exc)))
         report.copies[tier] = "bad"
         return
+    _verify_files(store, man, report, chunk_buf_bytes)
+    report.copies[tier] = "bad" if len(report.problems) > before else "ok"
+
+
+def _verify_files(store: Store, man: Manifest, report: VerifyReport, chunk_buf_bytes: int, node_local: bool = False) -> None:
+    tier, step = store.url, man.step
     buf: HostBuffer | None = None
     for entry in man.ranks:
+        if node_local and not store.exists(f"{step_dir(step)}/{entry.file}"):
+            continue  # another node's rank
+        if entry.record is not None:
+            try:
+                entry = read_record(store, step, man.world_size, entry.record)
+            except NotFoundError:
+                report.problems.append(Problem(tier, f"{step_dir(step)}/{entry.record.name}", None, "record file is missing"))
+                continue
+            except TierioError as exc:
+                report.problems.append(Problem(tier, f"{step_dir(step)}/{entry.record.name}", None, str(exc)))
+                continue
         key = f"{step_dir(step)}/{entry.file}"
         try:
             check_shard(store, step, entry)
@@ -284,5 +189,4 @@ def verify_copy(store: Store, step: int, report: VerifyReport, chunk_buf_bytes: 
                         report.problems.append(Problem(tier, key, cname, f"checksum mismatch: expected xxh3 {c.xxh3}, got {got}"))
                 except TierioError as exc:
                     report.problems.append(Problem(tier, key, cname, str(exc)))
-    report.copies[tier] = "bad" if len(report.problems) > before else "ok"
 

@@ -13,12 +13,27 @@ from tierio.storage.url import open_store
 from tierio.ckpt.retention import Retention
 
 
+SCOPES = ("shared", "node")
+
+
 @dataclass
 class Tier:
-    """One checkpoint tier: a URL (or an open Store) and what it keeps (None: everything)."""
+    """One checkpoint tier: a URL (or an open Store) and what it keeps (None: everything).
+
+    ``scope="node"``: the location is local to each node (its own NVMe), so each node sees only
+    its own ranks' files there; a step is committed globally on the first shared tier after it."""
 
     url: str | Path | Store
     retention: Retention | None = None
+    scope: str = "shared"
+
+    def __post_init__(self) -> None:
+        if self.scope not in SCOPES:
+            raise ConfigError(f"tier scope {self.scope!r} must be one of {', '.join(SCOPES)}")
+
+    @property
+    def node_local(self) -> bool:
+        return self.scope == "node"
 
 
 def as_tier(x: str | Path | Tier | Store) -> Tier:
@@ -34,3 +49,23 @@ def open_tier_store(tier: Tier, limiter: TokenBucket | None = None) -> Store:
     if isinstance(tier.url, (str, Path)):
         return open_store(tier.url, limiter=limiter) if limiter is not None else open_store(tier.url)
     return tier.url
+
+
+@dataclass
+class TierState:
+    """A tier as a manager uses it: its store and what was written there."""
+
+    tier: Tier
+    store: Store
+    bytes: int = 0
+    seconds: float = 0.0
+    files: int = 0
+    warned_capacity: bool = False
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    @property
+    def node_local(self) -> bool:
+        return self.tier.node_local

@@ -24,6 +24,7 @@ examples:
   tierio ckpt promote /mnt/nvme/ckpt 's3://ckpt/run1?endpoint=http://127.0.0.1:8333' --step 2000
   tierio ckpt gc /lustre/run1 --keep last:3+every:1000 --dry-run
   tierio ckpt unlock /lustre/run1                    break the lease of a run that died
+  tierio ckpt export /lustre/run1 ./hf-model          the whole model as safetensors + index, any world size
   tierio ckpt ls ./tierio-demo/shared-fs --json      the same, for scripts
 
 retention for gc: last:N (newest N), every:K (steps divisible by K), within:48h (committed in
@@ -80,6 +81,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(default 0: gc holds the tier's lease, so no live tierio writer owns them)")
     a.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
     a.set_defaults(handler=cmd_gc)
+
+    a = action("export", "write a checkpoint's model as a Hugging Face style safetensors directory",
+               "tierio ckpt export /lustre/run1 ./hf-model --step 2000")
+    a.add_argument("url", metavar="URL")
+    a.add_argument("out", metavar="OUT", help="the model directory to write")
+    a.add_argument("--step", type=int, help="the step (default: the latest)")
+    a.add_argument("--prefix", help="export the tensors under this path of the state, e.g. model/ "
+                                    "(default: model/ when the checkpoint has it; '' exports every tensor)")
+    a.add_argument("--max-shard-size", default="5GB", help="largest output file (default 5GB)")
+    a.set_defaults(handler=cmd_export)
 
     a = action("unlock", "break a tier's write lease whose run is gone",
                "tierio ckpt unlock /lustre/run1")
@@ -158,7 +169,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         console().print(f"no committed checkpoint in {args.url}")
     else:
         print_table(f"Checkpoints in {args.url}", ["step", "time (UTC)", "ranks", "tensors", "size"],
-                    [[r["step"], r["time"][:19].replace("T", " "), r["world_size"], r["tensors"],
+                    [[r["step"], r["time"][:19].replace("T", " "), r["world_size"], "—" if r["tensors"] is None else r["tensors"],
                       human_bytes(r["bytes"])] for r in rows])
     out = console(stderr=True)
     for b in bad:
@@ -218,7 +229,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     with _store(args.url) as store:
         step = args.step if args.step is not None else _latest(store, args.url)
-        man = inspect(store, step)
+        man = inspect(store, step, records=args.tensors or args.json)
     tensors = {name: t for r in man.ranks for name, t in r.tensors.items()}
     if args.json:
         doc = _summary(man)
@@ -362,6 +373,26 @@ def cmd_gc(args: argparse.Namespace) -> int:
         err.print(f"[red]error[/red]: {s.reason}")
     sys.stdout.flush()
     return 1 if report.skipped else 0
+
+
+# -- export --------------------------------------------------------------------------------------
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from tierio.ckpt.export import export
+
+    limit = parse_size(args.max_shard_size)
+    if limit <= 0:
+        raise ConfigError("--max-shard-size must be positive, e.g. 5GB")
+    with _store(args.url) as store:
+        report = export(store, args.out, step=args.step, prefix=args.prefix, max_shard_bytes=int(limit))
+    if args.json:
+        print_json({"url": args.url, "step": report.step, "out": report.out, "tensors": report.tensors,
+                    "bytes": report.bytes, "files": report.files})
+        return 0
+    console().print(f"exported step {report.step} of {args.url}: {report.tensors} tensors, {human_bytes(report.bytes)} "
+                    f"in {len(report.files) - 1} file(s) and {report.files[-1]} -> {report.out}")
+    return 0
 
 
 # -- unlock --------------------------------------------------------------------------------------

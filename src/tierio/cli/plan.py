@@ -58,6 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--interval-steps", default="1000", help="steps between checkpoints (default 1000)")
     g.add_argument("--async-window", default="30s", help="time a background write may take (default 30s)")
     g.add_argument("--margin", default="2", help="safety margin on required bandwidth (default 2)")
+    g.add_argument("--tensors-per-rank", help="tensor slices each rank saves (default: from the model's layers)")
+    g.add_argument("--commit-spread", default="5s", help="time from the first to the last rank's shard durable (default 5s)")
     g = p.add_argument_group("write paths")
     g.add_argument("--single-writer-bw", default="10GB/s", help="one writer's bandwidth (default 10GB/s)")
     g.add_argument("--storage-bw", help="aggregate write bandwidth of the shared tier (default: the planned OSTs)")
@@ -166,6 +168,8 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         micro_batch=_int(args.micro_batch, "--micro-batch"), seq_len=_int(args.seq_len, "--seq-len"),
         loader_token_bytes=parse_count(args.loader_token_bytes, "--loader-token-bytes"),
         measured=load_measured(args.measured) if args.measured else None,
+        tensors_per_rank=opt(args.tensors_per_rank, _int, "--tensors-per-rank"),
+        commit_spread_s=parse_duration(args.commit_spread, "--commit-spread"),
     )
 
 

@@ -6,6 +6,17 @@ checkpoint. It holds the schema version, the step, UTC time, world size and, per
 file, its size, the state tree (JSON leaves for non-tensors) and every tensor's dtype, global
 shape and chunks (file, byte range, global offsets, shape, xxh3).
 
+Version 2 adds what a cluster needs (a manifest without these features is still written as
+version 1, byte for byte as before):
+
+* **global tensors** (``"global": true``): slices of one tensor spread over ranks (DTensor,
+  TensorSlice); each rank lists the chunks it wrote, with their global offsets; state trees name
+  them with ``{"__global__": name}``; a manifest may carry one ``tree`` for the whole job (a
+  checkpoint written through torch.distributed.checkpoint);
+* **records by reference**: with thousands of ranks the per-rank entries do not fit one manifest,
+  so a rank entry may instead name the rank's record file in the step directory with its size and
+  xxh3 (``"record": {"name", "bytes", "xxh3"}``); a reader loads only the records it needs.
+
 The reader trusts nothing: the size is bounded, file names must be plain names inside the step
 directory, ranges must lie inside their file and not overlap, dtypes must be known, byte counts
 must match shapes and checksums must be 16 hex digits.
@@ -28,7 +39,8 @@ from tierio.io.untrusted import (
 )
 
 SCHEMA = "tierio.checkpoint"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # the newest this tierio reads and writes
+READABLE_VERSIONS = (1, 2)
 # thousands of ranks with hundreds of tensors each; parsing one costs at most
 # io.untrusted.MAX_EXPANSION times its size (floods of tiny values are refused unparsed)
 MAX_MANIFEST_BYTES = 64 << 20
@@ -36,6 +48,7 @@ MAX_FILE_BYTES = 1 << 50
 MAX_WORLD_SIZE = 1 << 20
 MAX_DIMS = 64
 MAX_CHUNKS = 1 << 24
+MANIFEST_NAME = "manifest.json"
 
 
 
@@ -59,10 +72,20 @@ class TensorInfo:
     dtype: str  # safetensors dtype name
     shape: tuple[int, ...]  # global shape
     chunks: list[ChunkInfo]
+    is_global: bool = False  # a slice of a tensor spread over ranks (else this rank's own tensor)
 
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class RecordRef:
+    """A rank's record file (its manifest entry, written beside its shard), named by a manifest."""
+
+    name: str
+    bytes: int
+    xxh3: str
 
 
 @dataclass
@@ -72,6 +95,11 @@ class RankEntry:
     bytes: int
     tree: Any
     tensors: dict[str, TensorInfo]
+    record: RecordRef | None = None  # set: tree and tensors live in that record (not loaded here)
+
+    @property
+    def loaded(self) -> bool:
+        return self.record is None
 
 
 @dataclass
@@ -82,6 +110,14 @@ class Manifest:
     time: str = ""
     timestamp: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    tree: Any = None  # one state tree for every rank (global tensors only), when ranks carry none
+
+    @property
+    def version(self) -> int:
+        """1 unless the manifest uses a feature of version 2 (old readers refuse it cleanly)."""
+        v2 = self.tree is not None or any(
+            not r.loaded or any(t.is_global for t in r.tensors.values()) for r in self.ranks)
+        return 2 if v2 else 1
 
     @property
     def total_bytes(self) -> int:
@@ -89,16 +125,17 @@ class Manifest:
 
     @property
     def files(self) -> list[str]:
-        return [r.file for r in self.ranks]
+        """Every file of the checkpoint but the manifest: shards, and records by reference."""
+        return [r.file for r in self.ranks] + [r.record.name for r in self.ranks if r.record is not None]
 
     @property
     def num_tensors(self) -> int:
         return sum(len(r.tensors) for r in self.ranks)
 
     def to_json(self) -> dict:
-        return {
+        doc = {
             "schema": SCHEMA,
-            "version": SCHEMA_VERSION,
+            "version": self.version,
             "step": self.step,
             "time": self.time,
             "timestamp": self.timestamp,
@@ -107,15 +144,25 @@ class Manifest:
             "extra": self.extra,
             "ranks": [rank_to_json(r) for r in self.ranks],
         }
+        if self.tree is not None:
+            doc["tree"] = self.tree
+        return doc
 
     def encode(self) -> bytes:
-        return _encode(self.to_json(), f"manifest of step {self.step}")
+        # Large manifests are written compactly: indentation would add a third to their size.
+        return _encode(self.to_json(), f"manifest of step {self.step}", compact=not all(r.loaded for r in self.ranks))
 
 
-def _encode(doc: dict, what: str) -> bytes:
-    """The JSON of a manifest or fragment, refused here if the reader's limits would refuse it:
-    a checkpoint that saves must also restore."""
-    raw = json.dumps(doc, indent=1, allow_nan=False).encode()
+READABLE_BYTES = 64 << 10  # manifests up to this size are indented for people reading them
+
+
+def _encode(doc: dict, what: str, compact: bool = False) -> bytes:
+    """The JSON of a manifest or record, refused here if the reader's limits would refuse it:
+    a checkpoint that saves must also restore. Compact JSON comes from the C encoder (indented
+    JSON does not: it costs ~4 s per MB); small manifests are indented for people."""
+    raw = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    if not compact and len(raw) <= READABLE_BYTES:
+        raw = json.dumps(doc, indent=1, allow_nan=False).encode()
     if len(raw) > MAX_MANIFEST_BYTES or not expansion_ok(raw):
         raise ConfigError(
             f"the {what} would be {len(raw)} bytes ({estimated_memory(raw) >> 20} MiB once parsed), beyond what "
@@ -130,23 +177,30 @@ def utc_now() -> tuple[str, float]:
     return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"), ts
 
 
+def _tensor_json(t: TensorInfo) -> dict:
+    doc: dict[str, Any] = {
+        "dtype": t.dtype,
+        "shape": list(t.shape),
+        "chunks": [
+            {"file": c.file, "range": [c.begin, c.end], "offsets": list(c.offsets), "shape": list(c.shape), "xxh3": c.xxh3}
+            for c in t.chunks
+        ],
+    }
+    if t.is_global:
+        doc["global"] = True
+    return doc
+
+
 def rank_to_json(r: RankEntry) -> dict:
+    if r.record is not None:
+        return {"rank": r.rank, "file": r.file, "bytes": r.bytes,
+                "record": {"name": r.record.name, "bytes": r.record.bytes, "xxh3": r.record.xxh3}}
     return {
         "rank": r.rank,
         "file": r.file,
         "bytes": r.bytes,
         "tree": r.tree,
-        "tensors": {
-            t.name: {
-                "dtype": t.dtype,
-                "shape": list(t.shape),
-                "chunks": [
-                    {"file": c.file, "range": [c.begin, c.end], "offsets": list(c.offsets), "shape": list(c.shape), "xxh3": c.xxh3}
-                    for c in t.chunks
-                ],
-            }
-            for t in r.tensors.values()
-        },
+        "tensors": {t.name: _tensor_json(t) for t in r.tensors.values()},
     }
 
 
@@ -190,7 +244,7 @@ def _chunk(doc: Any, cw: str, rank: int, file: str, size: int, shape: tuple[int,
     return ChunkInfo(file, rng[0], rng[1], tuple(offs), cshape_t, digest)
 
 
-def _tensor(name: str, doc: Any, tw: str, rank: int, file: str, size: int) -> TensorInfo:
+def _tensor(name: str, doc: Any, tw: str, rank: int, file: str, size: int, version: int) -> TensorInfo:
     info = check_dict(doc, tw)
     dt, shape = info.get("dtype"), info.get("shape")
     isz = ITEMSIZES.get(dt) if type(dt) is str else None
@@ -205,21 +259,32 @@ def _tensor(name: str, doc: Any, tw: str, rank: int, file: str, size: int) -> Te
     if type(chunks_doc) is not list or not chunks_doc or len(chunks_doc) > MAX_CHUNKS:
         Fields(info, tw).list("chunks", MAX_CHUNKS)
         raise FormatError(f"{tw}: needs a non-empty list of chunks")
+    is_global = version >= 2 and info.get("global", False) is True
     chunks = [_chunk(c, f"{tw} chunk {i}", rank, file, size, shape, dt, isz) for i, c in enumerate(chunks_doc)]
-    return TensorInfo(name, dt, shape, chunks)
+    return TensorInfo(name, dt, shape, chunks, is_global)
+
+
+def _record_ref(doc: Any, w: str) -> RecordRef:
+    f = Fields(doc, f"{w} record")
+    return RecordRef(check_name(f.doc.get("name"), f"{w} record"), f.int("bytes", 0, MAX_MANIFEST_BYTES), f.hex("xxh3", 16))
 
 
 @parser
-def parse_rank(doc: Any, where: str) -> RankEntry:
+def parse_rank(doc: Any, where: str, version: int = SCHEMA_VERSION) -> RankEntry:
     rank = Fields(doc, where).int("rank", 0, MAX_WORLD_SIZE - 1)
     w = f"{where} rank {rank}"
     d = Fields(doc, w)
     file = check_name(d.doc.get("file"), w)
     size = d.int("bytes", 0, MAX_FILE_BYTES)
+    if version >= 2 and "record" in d.doc:
+        ref = _record_ref(d.doc["record"], w)
+        if ref.name in (file, MANIFEST_NAME):
+            raise FormatError(f"{w}: record {ref.name!r} is also the shard or the manifest")
+        return RankEntry(rank, file, size, None, {}, ref)
     tensors: dict[str, TensorInfo] = {}
     spans: list[tuple[int, int, str, int]] = []
     for name, info in d.obj("tensors").doc.items():
-        t = _tensor(name, info, f"{w} tensor {name!r}", rank, file, size)
+        t = _tensor(name, info, f"{w} tensor {name!r}", rank, file, size, version)
         tensors[name] = t
         spans.extend((c.begin, c.end, name, i) for i, c in enumerate(t.chunks) if c.end > c.begin)
     spans.sort()
@@ -228,7 +293,7 @@ def parse_rank(doc: Any, where: str) -> RankEntry:
             raise FormatError(f"{w}: {a[2]!r} chunk {a[3]} and {b[2]!r} chunk {b[3]} overlap in {file}; the manifest is corrupt or hostile")
     tree = d.doc.get("tree")
     for ref in tensor_refs(tree):
-        if ref not in tensors:
+        if ref not in tensors or tensors[ref].is_global:
             raise FormatError(f"{w}: the state tree refers to tensor {brief(ref)} which the manifest does not describe")
     return RankEntry(rank, file, size, tree, tensors)
 
@@ -247,8 +312,9 @@ def parse_manifest(raw: bytes, where: str, expect_step: int | None = None) -> Ma
     if doc.doc.get("schema") != SCHEMA:
         raise FormatError(f"{where}: not a tierio checkpoint manifest (schema {brief(doc.doc.get('schema'))})")
     version = doc.doc.get("version")
-    if version != SCHEMA_VERSION or type(version) is not int:
-        raise FormatError(f"{where}: manifest version {brief(version)} is not supported (this tierio reads {SCHEMA_VERSION}); upgrade tierio")
+    if version not in READABLE_VERSIONS or type(version) is not int:
+        raise FormatError(f"{where}: manifest version {brief(version)} is not supported (this tierio reads "
+                          f"{', '.join(map(str, READABLE_VERSIONS))}); upgrade tierio")
     step = doc.int("step", 0, 10**9 - 1)
     if expect_step is not None and step != expect_step:
         raise FormatError(f"{where}: manifest says step {step} but lives in the directory of step {expect_step}")
@@ -256,38 +322,72 @@ def parse_manifest(raw: bytes, where: str, expect_step: int | None = None) -> Ma
     ranks_doc = doc.list("ranks", MAX_WORLD_SIZE)
     if len(ranks_doc) != world:
         raise FormatError(f"{where}: expected {world} rank entries, found {len(ranks_doc)}")
-    ranks = [parse_rank(r, where) for r in ranks_doc]
+    ranks = [parse_rank(r, where, version) for r in ranks_doc]
     files = set()
     for i, r in enumerate(ranks):
         if r.rank != i:
             raise FormatError(f"{where}: rank entries out of order (entry {i} is rank {r.rank})")
-        if r.file in files or r.file == "manifest.json":
-            raise FormatError(f"{where}: file {r.file!r} is claimed twice")
-        files.add(r.file)
+        for name in [r.file] + ([r.record.name] if r.record is not None else []):
+            if name in files or name == MANIFEST_NAME:
+                raise FormatError(f"{where}: file {name!r} is claimed twice")
+            files.add(name)
     total = doc.int("total_bytes", 0, MAX_FILE_BYTES * MAX_WORLD_SIZE, default=None)
     if total is not None and total != sum(r.bytes for r in ranks):
         raise FormatError(f"{where}: total_bytes {total} is not the sum of the ranks' {sum(r.bytes for r in ranks)} bytes")
     t = doc.str("time", 64, default="")
     ts = doc.float("timestamp", 0.0, default=0.0)
     extra = doc.obj("extra", default=None)
-    return Manifest(step, world, ranks, t, float(ts), {} if extra is None else extra.doc)
+    tree = doc.doc.get("tree") if version >= 2 else None
+    if tensor_refs(tree):
+        raise FormatError(f"{where}: the job-wide state tree refers to a rank's own tensor; it may name global tensors only")
+    man = Manifest(step, world, ranks, t, float(ts), {} if extra is None else extra.doc, tree)
+    check_globals(man, where)
+    return man
 
 
-def encode_fragment(step: int, world_size: int, entry: RankEntry) -> bytes:
-    return _encode({"schema": SCHEMA + ".fragment", "version": SCHEMA_VERSION, "step": step,
-                    "world_size": world_size, "entry": rank_to_json(entry)}, f"manifest fragment of rank {entry.rank}")
+def check_globals(man: Manifest, where: str) -> None:
+    """The global tensors of the loaded rank entries agree on dtype and shape, and when every entry
+    is loaded, every global tensor the trees name is described by some rank."""
+    seen: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    for r in man.ranks:
+        for t in r.tensors.values():
+            if not t.is_global:
+                continue
+            first = seen.setdefault(t.name, (t.dtype, t.shape, r.rank))
+            if first[:2] != (t.dtype, t.shape):
+                raise FormatError(
+                    f"{where}: global tensor {t.name!r} is {t.dtype} {list(t.shape)} in rank {r.rank}'s entry ({r.file}) "
+                    f"but {first[0]} {list(first[1])} in rank {first[2]}'s; the manifest is corrupt or hostile")
+    if not all(r.loaded for r in man.ranks):
+        return
+    for tree, who in [(man.tree, "the job-wide state tree")] + [(r.tree, f"rank {r.rank}'s state tree") for r in man.ranks]:
+        for ref in tensor_refs(tree, ("__global__",)):
+            if ref not in seen:
+                raise FormatError(f"{where}: {who} refers to global tensor {brief(ref)}, which no rank's entry describes")
+
+
+def encode_record(step: int, world_size: int, entry: RankEntry) -> bytes:
+    """A rank's record: its manifest entry, written beside its shard once the shard is durable."""
+    version = 2 if any(t.is_global for t in entry.tensors.values()) else 1
+    return _encode({"schema": SCHEMA + ".fragment", "version": version, "step": step,
+                    "world_size": world_size, "entry": rank_to_json(entry)}, f"record of rank {entry.rank}",
+                   compact=True)
 
 
 @parser
-def parse_fragment(raw: bytes, where: str, step: int, world_size: int) -> RankEntry:
+def parse_record(raw: bytes, where: str, step: int, world_size: int) -> RankEntry:
+    """Strictly parse a rank's record (only FormatError comes out)."""
     doc = _load_json(raw, where, MAX_MANIFEST_BYTES)
     version = doc.doc.get("version")
-    if doc.doc.get("schema") != SCHEMA + ".fragment" or version != SCHEMA_VERSION or type(version) is not int:
-        raise FormatError(f"{where}: not a tierio manifest fragment")
+    if doc.doc.get("schema") != SCHEMA + ".fragment" or version not in READABLE_VERSIONS or type(version) is not int:
+        raise FormatError(f"{where}: not a tierio checkpoint record")
     got_step, got_world = doc.doc.get("step"), doc.doc.get("world_size")
     if type(got_step) is not int or type(got_world) is not int or got_step != step or got_world != world_size:
         raise FormatError(
             f"{where}: fragment is for step {brief(got_step)} / world size {brief(got_world)}, "
             f"expected step {step} / world size {world_size}; all ranks must save the same steps with the same world size"
         )
-    return parse_rank(doc.doc.get("entry"), where)
+    entry = parse_rank(doc.doc.get("entry"), where, version)
+    if not entry.loaded:
+        raise FormatError(f"{where}: a record must hold its rank's entry, not refer to another record")
+    return entry

@@ -8,6 +8,7 @@ reported down to the chunk, and global offsets stay meaningful for later reshard
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from dataclasses import dataclass
@@ -15,7 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from tierio.errors import FormatError
+from tierio.format.manifest import ChunkInfo, TensorInfo
 from tierio.format.safetensors import Header, build_header, dtype_name
+from tierio.io.checksum import xxh3
 
 CHUNK_BYTES = 64 << 20
 FORMAT_VERSION = "1"
@@ -42,12 +45,40 @@ def shard_name(rank: int) -> str:
     return f"rank_{rank:0{RANK_DIGITS}d}.safetensors"
 
 
-def fragment_name(rank: int, token: str) -> str:
-    """Per-rank manifest fragment, written once that rank's shard is durable. ``token`` names the
-    run and branch writing it, so rank 0 never merges a fragment some other save left behind."""
+def _check_token(token: str) -> str:
     if not re.fullmatch(r"[0-9a-f]{1,16}", token):
-        raise FormatError(f"fragment token {token!r} must be 1-16 lowercase hex digits")
-    return f"rank_{rank:0{RANK_DIGITS}d}.{token}.json"
+        raise FormatError(f"token {token!r} must be 1-16 lowercase hex digits")
+    return token
+
+
+def fragment_name(rank: int, token: str) -> str:
+    """A rank's marker that it copied its files of a step to a slower tier (promotion). ``token``
+    names the copy, so a marker some other copy left behind is never counted."""
+    return f"rank_{rank:0{RANK_DIGITS}d}.{_check_token(token)}.json"
+
+
+def record_name(rank: int, token: str, digest: str) -> str:
+    """A rank's record (its manifest entry), written once its shard is durable. ``token`` names the
+    run writing it, so a committer never takes a record some other run left behind; ``digest`` is
+    the record's xxh3, so a committer knows it from a listing alone."""
+    if not re.fullmatch(r"[0-9a-f]{16}", digest):
+        raise FormatError(f"record digest {digest!r} must be 16 lowercase hex digits")
+    return f"rank_{rank:0{RANK_DIGITS}d}.{_check_token(token)}.{digest}.json"
+
+
+_RECORD_RE = re.compile(r"rank_(\d{5})\.([0-9a-f]{1,16})\.([0-9a-f]{16})\.json")
+
+
+@dataclass(frozen=True)
+class RecordName:
+    rank: int
+    token: str
+    digest: str
+
+
+def parse_record_name(name: str) -> RecordName | None:
+    m = _RECORD_RE.fullmatch(name)
+    return RecordName(int(m.group(1)), m.group(2), m.group(3)) if m else None
 
 
 def manifest_key(step: int) -> str:
@@ -60,6 +91,11 @@ def shard_key(step: int, rank: int) -> str:
 
 def fragment_key(step: int, rank: int, token: str) -> str:
     return f"{step_dir(step)}/{fragment_name(rank, token)}"
+
+
+def step_key(step: int, name: str) -> str:
+    """The key of file ``name`` of a step."""
+    return f"{step_dir(step)}/{name}"
 
 
 @dataclass(frozen=True)
@@ -140,3 +176,53 @@ def stage_into(layout: ShardLayout, tensors: dict[str, torch.Tensor], buf_u8: to
                 dst.copy_(t, non_blocking=True)
         else:
             dst.copy_(t)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a tensor of a shard lies in the tensor it is part of: a global tensor's slice
+    starts at ``offsets`` of ``shape``; a rank's own tensor is whole (offsets 0, its own shape)."""
+
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    is_global: bool = True
+
+
+def describe(layout: ShardLayout, view: memoryview | ShardBytes, file: str,
+             places: dict[str, Placement] | None = None) -> dict[str, TensorInfo]:
+    """The manifest description of a shard: every chunk with its byte range, its global offsets
+    and the xxh3 of its bytes in ``view`` (the staged shard, or its ShardBytes). Tensors missing
+    from ``places`` are the rank's own."""
+    places = places or {}
+    out: dict[str, TensorInfo] = {}
+    for name, e in layout.header.tensors.items():
+        p = places.get(name) or Placement((0,) * len(e.shape), e.shape, False)
+        chunks = []
+        for c in layout.chunks[name]:
+            offsets = (p.offsets[0] + c.row0, *p.offsets[1:]) if e.shape else ()
+            chunks.append(ChunkInfo(file, c.begin, c.end, offsets, c.shape, xxh3(view[c.begin : c.end])))
+        out[name] = TensorInfo(name, e.dtype, p.shape, chunks, p.is_global)
+    return out
+
+
+class ShardBytes:
+    """A shard's bytes straight from the tensors it holds (no staging copy): ``parts`` is what a
+    writer writes in order, and slicing by file offsets gives the bytes of any chunk (a chunk never
+    spans two tensors). Only for contiguous CPU tensors that stay unchanged until written."""
+
+    def __init__(self, layout: ShardLayout, tensors: dict[str, torch.Tensor]) -> None:
+        self.parts: list[memoryview] = [memoryview(layout.header_bytes)]
+        self._starts: list[int] = [0]
+        for name, e in layout.header.tensors.items():
+            if e.nbytes == 0:
+                continue
+            t = tensors[name]
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise FormatError(f"tensor {name!r} must be a contiguous CPU tensor to be written unstaged")
+            self._starts.append(layout.header.data_offset + e.begin)
+            self.parts.append(memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B"))
+
+    def __getitem__(self, s: slice) -> memoryview:
+        i = bisect.bisect_right(self._starts, s.start) - 1
+        base = self._starts[i]
+        return self.parts[i][s.start - base : s.stop - base]

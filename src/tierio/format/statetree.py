@@ -10,6 +10,10 @@ Encoding of what JSON cannot hold directly (every marker is a one-key object):
     {"__tuple__": [...]}     tuple                   {"__dict__": [[k, v]]}  dict with non-str keys
     {"__float__": "nan"}     nan / inf / -inf        {"__bytes__": base64}   bytes
     {"__dtype__": "float32"} torch.dtype             {"__np__": [dtype, v]}  numpy scalar
+    {"__global__": name}     DTensor / TensorSlice: a slice of a global tensor (format.slices)
+
+Plain tensors belong to the rank that saves them; a global tensor is one tensor across ranks,
+named by its path, of which each rank stores only the slice it writes.
 
 Tensors that are views of the same memory with the same shape, stride and dtype (tied weights)
 are stored once and come back as one shared tensor. Nothing here executes code from the data.
@@ -27,9 +31,11 @@ import numpy as np
 import torch
 
 from tierio.errors import FormatError, UnstorableError
+from tierio.format.slices import GlobalLeaf, TensorSlice, global_leaf, is_dtensor
 from tierio.io.untrusted import MAX_INT_DIGITS, brief
 
-MARKERS = ("__tensor__", "__ndarray__", "__tuple__", "__dict__", "__float__", "__bytes__", "__dtype__", "__np__")
+MARKERS = ("__tensor__", "__ndarray__", "__tuple__", "__dict__", "__float__", "__bytes__", "__dtype__", "__np__",
+           "__global__")
 MAX_DEPTH = 200
 # JSON nesting of a tree of MAX_DEPTH levels: a non-str-key dict level is 3 JSON levels
 # ({"__dict__": [[k, v]]}), and a numpy scalar leaf adds 3 more ({"__np__": [dt, {"__float__": ..}]}).
@@ -41,7 +47,8 @@ _TORCH_DTYPES = {name: obj for name, obj in vars(torch).items() if isinstance(ob
 @dataclass
 class FlatState:
     tree: Any
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's own tensors
+    globals: dict[str, GlobalLeaf] = field(default_factory=dict)  # slices of global tensors
 
 
 def _scalar(x: Any, where: str) -> Any:
@@ -69,15 +76,13 @@ def flatten(state: Any) -> FlatState:
     def name_for(path: list[str]) -> str:
         base = "/".join(path) or "tensor"
         name, i = base, 1
-        while name in out.tensors or name == "__metadata__":
+        while name in out.tensors or name in out.globals or name == "__metadata__":
             name, i = f"{base}~{i}", i + 1
         return name
 
     def tensor_leaf(t: torch.Tensor, path: list[str]) -> str:
         if t.layout != torch.strided:
             raise UnstorableError(f"tensor at {'/'.join(path)!r} has layout {t.layout}; convert it to a dense tensor first", "/".join(path))
-        if hasattr(t, "_local_tensor") or type(t).__name__ == "DTensor":
-            raise UnstorableError(f"tensor at {'/'.join(path)!r} is a DTensor; pass its local shard (to_local()) instead", "/".join(path))
         t = t.detach()
         key = None
         if t.numel() > 0:
@@ -93,6 +98,14 @@ def flatten(state: Any) -> FlatState:
     def walk(obj: Any, path: list[str], depth: int) -> Any:
         if depth > MAX_DEPTH:
             raise UnstorableError(f"state is nested deeper than {MAX_DEPTH} levels at {'/'.join(path)!r}", "/".join(path))
+        if isinstance(obj, TensorSlice) or is_dtensor(obj):
+            name = name_for(path)
+            leaf = global_leaf(obj, "/".join(path))
+            if leaf.local.layout != torch.strided:
+                raise UnstorableError(f"tensor at {'/'.join(path)!r} has layout {leaf.local.layout}; convert it to a dense tensor first",
+                                      "/".join(path))
+            out.globals[name] = leaf
+            return {"__global__": name}
         if isinstance(obj, torch.Tensor):
             return {"__tensor__": tensor_leaf(obj, path)}
         if isinstance(obj, np.ndarray):
@@ -128,8 +141,9 @@ def flatten(state: Any) -> FlatState:
     return out
 
 
-def tensor_refs(tree: Any) -> list[str]:
-    """Every tensor name the tree references (in walk order, with repeats for tied leaves).
+def tensor_refs(tree: Any, markers: tuple[str, ...] = ("__tensor__", "__ndarray__")) -> list[str]:
+    """Every tensor name the tree references with one of ``markers`` (default: this rank's own
+    tensors; ``("__global__",)``: global tensors), in walk order, with repeats for tied leaves.
 
     Iterative, so a tree read from a file cannot exhaust the stack."""
     refs: list[str] = []
@@ -141,7 +155,7 @@ def tensor_refs(tree: Any) -> list[str]:
         if isinstance(node, dict):
             if len(node) == 1:
                 (k, v), = node.items()
-                if k in ("__tensor__", "__ndarray__"):
+                if k in markers:
                     if not isinstance(v, str):
                         raise FormatError(f"tensor reference {brief(v)} is not a string")
                     refs.append(v)
@@ -180,9 +194,12 @@ def _np_scalar(v: Any) -> Any:
         raise FormatError(f"numpy scalar {brief(value)} does not fit {dt} in the state tree ({exc})") from None
 
 
-def unflatten(tree: Any, get_tensor: Callable[[str, Any], torch.Tensor], into: Any = None) -> Any:
+def unflatten(tree: Any, get_tensor: Callable[[str, Any], torch.Tensor], into: Any = None,
+              get_global: Callable[[str, Any], Any] | None = None) -> Any:
     """Rebuild a state from its JSON tree. ``get_tensor(name, target)`` returns the tensor for a
-    reference; ``target`` is the tensor found at the same place in ``into`` (or None)."""
+    reference; ``target`` is the tensor found at the same place in ``into`` (or None).
+    ``get_global(name, target)`` does the same for global tensors (``target``: whatever ``into``
+    holds there: a DTensor, a TensorSlice, a tensor, or None)."""
 
     def sub(x: Any, key: Any) -> Any:
         try:
@@ -207,6 +224,10 @@ def unflatten(tree: Any, get_tensor: Callable[[str, Any], torch.Tensor], into: A
             (k, v), = node.items()
             if k == "__tensor__":
                 return get_tensor(v, target if isinstance(target, torch.Tensor) else None)
+            if k == "__global__":
+                if get_global is None:
+                    raise FormatError(f"the state tree refers to global tensor {brief(v)} where none is expected")
+                return get_global(v, target if isinstance(target, (torch.Tensor, TensorSlice)) else None)
             if k == "__ndarray__":
                 t = get_tensor(v, torch.from_numpy(target) if isinstance(target, np.ndarray) and target.flags.writeable else None)
                 return target if isinstance(target, np.ndarray) and target.flags.writeable and target.shape == tuple(t.shape) else t.numpy()

@@ -14,11 +14,11 @@ import inspect
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from tierio.ckpt import CheckpointManager, Tier
+from tierio.ckpt import CheckpointManager, CheckpointOptions, Tier
 from tierio.ckpt.retention import AnyOf, Retention
 from tierio.ckpt.tier import as_tier
 from tierio.errors import ConfigError, NotFoundError, TierioError
@@ -99,8 +99,9 @@ def check_manager_options(options: dict[str, Any], fixed: Sequence[str] = _FIXED
     taken = sorted(set(options) & set(fixed))
     if taken:
         raise ConfigError(f"{', '.join(taken)} are set by the integration (the framework decides who saves); leave them out")
-    params = inspect.signature(CheckpointManager).parameters
-    unknown = sorted(k for k in options if k not in params or k == "tiers")
+    # the manager's own keywords, and the CheckpointOptions fields it takes as keywords too
+    params = set(inspect.signature(CheckpointManager).parameters) | {f.name for f in fields(CheckpointOptions)}
+    unknown = sorted(k for k in options if k not in params or k in ("tiers", "overrides"))
     if unknown:
         raise ConfigError(f"unknown CheckpointManager option(s) {unknown}; see help(tierio.ckpt.CheckpointManager)")
     return dict(options)

@@ -197,3 +197,84 @@ def _async_note(background_s: float, window_s: float | None, interval_s: float) 
     if window_s is not None and background_s > window_s:
         return f"snapshot; write misses the {window_s:g} s window"
     return "snapshot; write fits the window" if window_s is not None else "snapshot + background write"
+
+
+# -- the commit's metadata load --------------------------------------------------------------------
+INLINE_RECORD_BYTES = 256 << 10  # tierio.ckpt.commit merges rank records into the manifest up to this
+RECORD_BYTES_PER_TENSOR = 190.0  # a record's JSON per tensor slice (name, dtype, shapes, range, xxh3, tree leaf)
+REF_BYTES_PER_RANK = 140.0  # a manifest line naming one rank's record
+LIST_PAGE = 1000  # keys per listing request on S3
+
+
+@dataclass(frozen=True)
+class CommitLoad:
+    """What one checkpoint asks of the shared tier's metadata service (files, listings, requests),
+    following tierio's commit protocol: each rank writes its shard and its record; the committer
+    polls one listing of the step directory until every record is there, then writes the manifest;
+    the other ranks poll for the manifest. Counts are per checkpoint for the whole job."""
+
+    ranks: int
+    tensors_per_rank: int
+    mode: str  # "inline" (records merged into the manifest and removed) or "referenced"
+    record_bytes: float
+    manifest_bytes: float
+    files_created: int  # on the shared tier: shards, records (kept when referenced), the manifest
+    listing_polls: int  # the committer's looks at the step directory while it waits
+    listing_requests: int  # each look costs ceil(files / 1000) requests on S3 (one readdir on a filesystem)
+    requests: dict[str, int] = field(default_factory=dict)  # PUT, GET, HEAD, LIST, DELETE (S3 terms)
+    requests_per_rank: float = 0.0
+
+
+def _polls(wait_s: float, first: float, most: float) -> int:
+    """Looks a poll loop makes while waiting ``wait_s`` (delay grows by half from ``first`` to ``most``)."""
+    n, t, d = 1, 0.0, first
+    while t < wait_s:
+        t += d
+        d = min(d * 1.5, most)
+        n += 1
+    return n
+
+
+def commit_load(ranks: int, tensors_per_rank: int, shard_bytes: float, *, part_bytes: float = 64 * 2**20,
+                spread_s: float = 5.0, inline_limit: int = INLINE_RECORD_BYTES) -> CommitLoad:
+    """The metadata load of committing one checkpoint of ``ranks`` shards of ``shard_bytes`` holding
+    ``tensors_per_rank`` tensor slices each. ``spread_s``: time between the first and the last rank's
+    shard being durable (the committer and the other ranks poll meanwhile); ``part_bytes``: S3
+    multipart part size."""
+    if ranks < 1 or tensors_per_rank < 0 or shard_bytes < 0 or spread_s < 0:
+        raise ConfigError("commit load needs ranks >= 1 and non-negative tensor counts, sizes and times")
+    record = 400.0 + RECORD_BYTES_PER_TENSOR * tensors_per_rank
+    inline = record * ranks <= inline_limit
+    manifest = record * ranks if inline else 300.0 + REF_BYTES_PER_RANK * ranks
+    polls = _polls(spread_s, 0.005, 0.25)
+    files_in_step = 2 * ranks + 1
+    pages = -(-files_in_step // LIST_PAGE)
+    parts = max(1, -(-int(shard_bytes) // int(part_bytes)))
+    shard_puts = 1 if parts == 1 else parts + 2  # a single PUT, or create + parts + complete
+    rank_polls = _polls(spread_s, 0.005, 0.5) - 1  # HEADs of the manifest by each other rank
+    if ranks == 1:  # one rank commits its own entry: no record, no waiting
+        requests = {"PUT": shard_puts + 1, "GET": 0, "HEAD": 0, "LIST": 0, "DELETE": 0}
+        return CommitLoad(1, tensors_per_rank, "inline", record, record, 2, 0, 0, requests, float(shard_puts + 1))
+    requests = {
+        "PUT": ranks * (shard_puts + 1) + 1,
+        # merged records are read (but the committer's own) and removed; each other rank reads the manifest once
+        "GET": (ranks - 1 if inline else 0) + (ranks - 1),
+        "HEAD": (ranks - 1) * rank_polls,
+        "LIST": polls * pages,
+        "DELETE": ranks if inline else 0,
+    }
+    return CommitLoad(ranks, tensors_per_rank, "inline" if inline else "referenced", record, manifest,
+                      ranks * (1 if inline else 2) + 1, polls, polls * pages, requests,
+                      sum(requests.values()) / ranks)
+
+
+def tensors_per_rank(layers: int, optimizer: str = "adamw", weight_dtype: str = "bf16") -> int:
+    """Tensor slices one rank saves when every tensor is sharded over all ranks (ZeRO-3 / FSDP):
+    ~9 per transformer layer (attention q, k, v, o; MLP gate, up, down; two norms) plus embeddings,
+    final norm and head, times the optimizer's copies (fp32 master, Adam m and v)."""
+    model = 9 * layers + 3
+    copies = 1
+    if optimizer.lower() != "none":
+        copies += 1 if dtype_bytes(weight_dtype) < 4 else 0
+        copies += 2 if optimizer.lower() in ("adamw", "adam") else 1
+    return model * copies

@@ -16,7 +16,7 @@ from tierio.plan.measured import Measured
 from tierio.plan.model import ModelShape, dtype_bytes, preset
 from tierio.plan.quantities import fmt_bytes, fmt_money, fmt_num, fmt_pct, fmt_rate, fmt_seconds
 
-SECTIONS = ("checkpoint", "write", "bandwidth", "data", "weights", "kv", "cost")
+SECTIONS = ("checkpoint", "write", "commit", "bandwidth", "data", "weights", "kv", "cost")
 
 
 @dataclass
@@ -79,6 +79,9 @@ class PlanInputs:
     seq_len: int = 4096
     loader_token_bytes: float = 2
     measured: Measured | None = None
+    # commit metadata load
+    tensors_per_rank: int | None = None      # None: from the model's layers and the optimizer
+    commit_spread_s: float = 5.0             # first to last rank's shard durable
 
 
 def build_plan(inp: PlanInputs) -> dict[str, Any]:
@@ -141,6 +144,10 @@ def build_plan(inp: PlanInputs) -> dict[str, Any]:
     nvme_users = serving.users_per_budget(inp.nvme_capacity, kv_user)
     rule = serving.fetch_rule(inp.fetch_fraction, inp.fetch_latency_s, inp.decode_latency_s, inp.fetch_budget)
 
+    tensors = inp.tensors_per_rank if inp.tensors_per_rank is not None else \
+        checkpoint.tensors_per_rank(m.layers, inp.optimizer, inp.weight_dtype)
+    commit = checkpoint.commit_load(par.world_size, tensors, size.per_rank_written, spread_s=inp.commit_spread_s)
+
     hw = cost.ost_hardware_cost(osts.specified, inp.ost_node_cost, inp.osts_per_node)
     daily = inp.archive_per_day if inp.archive_per_day is not None else size.bytes_total
     archive = cost.archive_cost(daily, inp.object_price, inp.years, inp.retention_days)
@@ -165,6 +172,7 @@ def build_plan(inp: PlanInputs) -> dict[str, Any]:
             "snapshot_bw": inp.snapshot_bw,
             "strategies": [asdict(w) for w in writes],
         },
+        "commit": asdict(commit),
         "bandwidth": {
             "async_window_s": inp.async_window_s,
             "required_write": asdict(need),
@@ -215,6 +223,21 @@ def tables(plan: dict[str, Any], sections: tuple[str, ...] = SECTIONS) -> list[t
                     f"({wr['checkpoints_per_day']:.2f}/day); single writer {fmt_rate(wr['single_writer_bw'])}, "
                     f"storage {fmt_rate(wr['storage_bw'])}, snapshot {fmt_rate(wr['snapshot_bw'])}/GPU",
                     ["strategy", "GPUs wait", "background", "overhead", "GPU-h/ckpt", "$/ckpt", "$/day", "note"], rows))
+    if "commit" in sections:
+        c = plan["commit"]
+        rq = c["requests"]
+        rows = [
+            ["tensor slices per rank", "every tensor sharded over all ranks (or --tensors-per-rank)", f"{c['tensors_per_rank']:,}"],
+            ["record per rank", "a rank's manifest entry", fmt_bytes(c["record_bytes"])],
+            ["manifest", f"records {c['mode']}", fmt_bytes(c["manifest_bytes"])],
+            ["files created per checkpoint", "shards + records + manifest", f"{c['files_created']:,}"],
+            ["committer's listings", f"{c['listing_polls']} looks × pages of 1,000 files", f"{c['listing_requests']:,}"],
+            ["requests per checkpoint", "PUT / GET / HEAD / LIST / DELETE",
+             f"{rq['PUT']:,} / {rq['GET']:,} / {rq['HEAD']:,} / {rq['LIST']:,} / {rq['DELETE']:,}"],
+            ["requests per rank", "", f"{c['requests_per_rank']:.1f}"],
+        ]
+        out.append((f"Checkpoint commit — metadata load on the shared tier, {c['ranks']:,} ranks",
+                    ["figure", "arithmetic", "value"], rows))
     if "bandwidth" in sections:
         need, lu, tax = bw["required_write"], bw["lustre"], bw["stripe_tax"]
         rows = [

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from tierio.errors import NotFoundError
 from tierio.io.paths import key_parts
 
 Buffer = bytes | bytearray | memoryview
@@ -95,6 +96,21 @@ def check_key(key: str, where: str | None = None) -> str:
     With ``where`` (the file the key was read from) a bad key is a FormatError, not a ConfigError."""
     key_parts(key, where)
     return key
+
+
+def list_sizes(store: Store, prefix: str = "") -> dict[str, int]:
+    """Every key under ``prefix`` with its size: one listing where the store can say sizes in it
+    (LocalStore, S3Store), else a listing and one stat per key. A size the store could not say is -1."""
+    fn = getattr(store, "list_sizes", None)
+    if fn is not None:
+        return fn(prefix)
+    out: dict[str, int] = {}
+    for key in store.list(prefix):
+        try:
+            out[key] = store.stat(key).size
+        except NotFoundError:  # deleted since the listing
+            continue
+    return out
 
 
 def read_bytes(store: Store, key: str, offset: int = 0, length: int | None = None) -> bytes:

@@ -124,20 +124,30 @@ class LocalStore:
 
     def list(self, prefix: str = "") -> list[str]:
         """Keys under ``prefix``: regular files only (links and temp files are not keys)."""
+        return sorted(self.list_sizes(prefix))
+
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        """``list`` with each key's size, from the same walk."""
         base = self._walk_base(prefix)
         if base is None:
-            return []
-        keys = []
+            return {}
+        out: dict[str, int] = {}
         for dirpath, dirnames, filenames in os.walk(base):  # does not descend into linked directories
             dirnames[:] = [d for d in dirnames if not is_temp(d)]
             rel = os.path.relpath(dirpath, self.root)
             for name in filenames:
-                if is_temp(name) or not stat.S_ISREG(os.lstat(os.path.join(dirpath, name)).st_mode):
+                if is_temp(name):
+                    continue
+                try:
+                    st = os.lstat(os.path.join(dirpath, name))
+                except FileNotFoundError:  # deleted while we walked
+                    continue
+                if not stat.S_ISREG(st.st_mode):
                     continue
                 key = name if rel == "." else f"{rel}/{name}".replace(os.sep, "/")
                 if key.startswith(prefix):
-                    keys.append(key)
-        return sorted(keys)
+                    out[key] = st.st_size
+        return out
 
     def stat(self, key: str) -> ObjectInfo:
         fd, _ = self.open(key)

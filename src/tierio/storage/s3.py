@@ -454,10 +454,14 @@ class S3Store:
         """Every key under ``prefix``, sorted. Objects whose names are not safe relative keys (an
         empty, '.' or '..' part, a leading '/', a backslash: "a//b", "dir/", "a/../b") are skipped
         with a warning, so no caller can turn one into a path outside its directory."""
+        return sorted(self.list_sizes(prefix))
+
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        """``list`` with each key's size, from the same requests."""
         base = f"{self.prefix}/" if self.prefix else ""
         t = self._target("listing", base + prefix)
         deadline = self._deadline()
-        keys: list[str] = []
+        keys: dict[str, int] = {}
         refused: list[str] = []
         token: str | None = None
         while True:  # paginate: S3 returns at most 1,000 keys per call
@@ -469,7 +473,8 @@ class S3Store:
                 name = str(o.get("Key", ""))
                 key = name[len(base) :] if name.startswith(base) else ""
                 if _safe_key(key):
-                    keys.append(key)
+                    size = o.get("Size")
+                    keys[key] = size if type(size) is int and size >= 0 else -1
                 else:
                     refused.append(name)
             if not page.get("IsTruncated"):
@@ -482,7 +487,7 @@ class S3Store:
                 f"skipped {len(refused)} object(s) in s3://{self.bucket} whose names are not safe keys "
                 f"(e.g. {refused[:3]}): empty, '.' or '..' parts, a leading '/' or a backslash; rename or delete them",
                 RuntimeWarning, stacklevel=2)
-        return sorted(keys)
+        return keys
 
     def _stat(self, key: str, full: str, deadline: Deadline) -> ObjectInfo:
         t = self._target("reading metadata of", full)

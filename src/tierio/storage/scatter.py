@@ -6,18 +6,23 @@ each tensor on its own also keeps the device queue shallow. Instead the covering
 read in large aligned windows by the io engine, ``depth`` at a time, into a few reused buffers, and
 each window is copied out to every destination it overlaps (a memcpy at ~10 GB/s, in the reader
 threads, with the GIL released) while the next windows are in flight.
+
+``read_whole`` is the other shape of a restore: ranges that must be seen whole before any of their
+bytes may be used (a checkpoint chunk is verified against its checksum, then only part of it is
+copied out, as when a restore reshards). Each range is read into a reused buffer, ``depth`` at a
+time, and handed to its own callback.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from tierio.io.buffers import BufferPool, shared_pool
-from tierio.io.engine import ByteRange, Window, Windowing, plan, read_windows
+from tierio.io.engine import ByteRange, Window, Windowing, plan, read_windows, run_windows
 from tierio.storage.base import Store
 from tierio.units import MiB
 
@@ -27,6 +32,7 @@ MERGE_GAP = 1 * MiB  # read through holes up to this size instead of issuing ano
 # Windows sit on a MiB grid: requests that straddle the device's (or the host's) larger
 # allocation units run at half speed on virtual disks, even when 4 KiB aligned.
 GRID = 1 * MiB
+WHOLE = 64 * MiB  # the largest range read_whole keeps buffers for (a checkpoint chunk)
 
 
 def window_pool() -> BufferPool:
@@ -79,3 +85,35 @@ def read_scatter(store: Store, key: str, spans: Sequence[tuple[int, memoryview]]
     job = _Scatter(store, key, todo, [off for off, _ in todo], pool, window)
     regions = plan([ByteRange(off, off + len(d)) for off, d in todo], shape)
     return sum(read_windows(regions, shape, job.window))
+
+
+@dataclass(frozen=True)
+class Whole:
+    """Bytes [offset, offset + length) of an object, handed whole to ``use`` once read."""
+
+    offset: int
+    length: int
+    use: Callable[[memoryview], None]
+
+
+def read_whole(store: Store, key: str, ranges: Sequence[Whole], *, depth: int = DEPTH) -> int:
+    """Read each range into a reused buffer and call its ``use`` on it (in the reader threads);
+    returns the bytes read. Buffers are held only while their ``use`` runs."""
+    todo = sorted((r for r in ranges if r.length), key=lambda r: r.offset)
+    if not todo:
+        return 0
+    largest = max(r.length for r in todo)
+    # One process-wide pool sized for checkpoint chunks (at most 64 MiB each): faulted in once.
+    pool = shared_pool("scatter-whole", DEPTH * WHOLE) if largest <= WHOLE else BufferPool(budget_bytes=depth * largest)
+
+    def one(r: Whole) -> int:
+        buf = pool.acquire(r.length)
+        try:
+            view = buf.view[: r.length]
+            store.read_into(key, r.offset, view)
+            r.use(view)
+        finally:
+            pool.release(buf)
+        return r.length
+
+    return sum(run_windows(todo, one, depth))

@@ -1,0 +1,45 @@
+"""The options of a CheckpointManager, in one typed record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from tierio.errors import ConfigError
+
+from tierio.ckpt.commit import INLINE_RECORD_BYTES
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """How a CheckpointManager saves, commits and cleans up.
+
+    ``memory_budget``: cap on staging memory (bytes or text such as "8GB"); ``double_buffer``: two
+    staging buffers, so a save can overlap the previous persist; ``promote_bandwidth``: limit on
+    writes to slower tiers (bytes/s or text); ``min_keep``: checkpoints retention always leaves;
+    ``commit_timeout``: seconds a commit waits for every rank's shard; ``run_id``: this run's name in
+    leases and manifests (default: a fresh one, agreed across ranks); ``break_lease``: take over a
+    tier another run still leases; ``node``: this rank's node, for node-local tiers (default: the
+    host name; with a process group, ranks naming the same node share it); ``ranks_per_node``:
+    without a process group, ranks sit on nodes in blocks of this many (default: torchrun's
+    LOCAL_WORLD_SIZE, else one node); ``inline_records``: rank records up to this many bytes
+    together are merged into the manifest, larger ones are referenced."""
+
+    memory_budget: int | str | None = None
+    double_buffer: bool = False
+    promote_bandwidth: float | str | None = None
+    min_keep: int = 3
+    commit_timeout: float = 600.0
+    run_id: str | None = None
+    break_lease: bool = False
+    node: str | None = None
+    ranks_per_node: int | None = None
+    inline_records: int = INLINE_RECORD_BYTES
+
+    def with_overrides(self, overrides: dict[str, Any]) -> CheckpointOptions:
+        """These options with keyword arguments (the manager's older keywords) applied."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigError(f"unknown CheckpointManager option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return replace(self, **overrides) if overrides else self
