@@ -1,7 +1,12 @@
-"""Byte sizes and rates for people: parse "64MiB", print "1.5 GiB" and "2.31 GB/s"."""
+"""Byte sizes and rates for people, in one place: parse "64MiB", print "1.5 GiB", "1.09 GB" and "37.3 GB/s".
+
+Capacities of buffers and caches print in binary units (``human_bytes``); sizes and rates of
+disks, networks and plans print in decimal units with three significant figures (``fmt_bytes``,
+``fmt_rate``), as hardware is specified."""
 
 from __future__ import annotations
 
+import math
 import re
 
 from tierio.errors import ConfigError
@@ -38,8 +43,24 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def human_rate(bytes_per_s: float) -> str:
-    """Bandwidth in decimal GB/s or MB/s, as disks and networks are specified."""
-    if bytes_per_s >= 1e9:
-        return f"{bytes_per_s / 1e9:.2f} GB/s"
-    return f"{bytes_per_s / 1e6:.1f} MB/s"
+def fmt_num(x: float, digits: int = 3) -> str:
+    """Three significant figures without scientific notation: 37.33 -> '37.3', 4484 -> '4,484'."""
+    if x == 0:
+        return "0"
+    if abs(x) >= 10 ** digits:
+        return f"{x:,.0f}"
+    decimals = max(0, digits - 1 - int(math.floor(math.log10(abs(x)))))
+    return f"{x:.{decimals}f}"
+
+
+def fmt_bytes(n: float) -> str:
+    """1.12e12 -> '1.12 TB' (decimal, three significant figures)."""
+    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{fmt_num(n / scale)} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_rate(bytes_per_s: float) -> str:
+    """3.73e10 -> '37.3 GB/s': bandwidth in decimal units, as disks and networks are specified."""
+    return fmt_bytes(bytes_per_s) + "/s"

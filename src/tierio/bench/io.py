@@ -27,9 +27,8 @@ from typing import Any
 from tierio.bench.common import drop_caches, machine_facts, ratio, require_tool, run_fio
 from tierio.io.buffers import HostBuffer
 from tierio.io.files import FileWriter, open_file, read_into
-from tierio.units import parse_size
+from tierio.units import MiB, parse_size
 
-MiB = 1 << 20
 # One pre-faulted host buffer, the way a checkpoint or weight load uses it: files up to this size
 # move in one call; bigger ones stream through it window by window.
 WINDOW = 4 << 30

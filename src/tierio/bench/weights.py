@@ -37,7 +37,6 @@ from tierio.units import parse_size
 from tierio.weights import LoadStats, WeightCache, load
 from tierio.weights.loader import cpu_time
 
-MiB = 1 << 20
 
 TARGETS = {
     "load_vs_fio_read": (">=", 0.9),

@@ -13,6 +13,7 @@ TARGETS = {
     "ckpt": "checkpoint save/restore vs fio, torch.save and torch.distributed.checkpoint",
     "weights": "weight loading vs fio, safetensors, torch.load and download-then-load",
     "data": "sequence packing, loader and streaming throughput",
+    "kv": "the KV cache vs memcpy, fio and recomputing the prefill",
 }
 
 EPILOG = """\
@@ -20,6 +21,7 @@ examples:
   tierio bench io --json                  disk and S3 ratios as one JSON object
   tierio bench io --size 8GiB --dir /mnt/nvme
   tierio bench ckpt --size 512MiB         a quick, smaller checkpoint run
+  tierio bench kv --no-model              the KV cache's tiers only (no transformers model)
 Each run compares against its peers in the same run and prints ratios (> 1 means tierio is faster,
 except rss_overhead where lower is better). Nothing is installed by the benchmark: missing peers
 (fio, awscli) are reported with the command to install them.

@@ -11,7 +11,7 @@ from typing import Any
 from tierio.cli.output import console, print_json, print_table
 from tierio.cli.parsers import action_group
 from tierio.errors import ConfigError, NotFoundError
-from tierio.units import human_bytes, human_rate, parse_size
+from tierio.units import fmt_rate, human_bytes, parse_size
 
 EXAMPLES = """\
 URL is a tier: a directory (/mnt/nvme/ckpt, file:///lustre/run1) or s3://bucket/prefix[?endpoint=...].
@@ -330,7 +330,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
         return 0
     print_table(f"Promoted {args.src} -> {args.dst}", ["step", "size", "time", "rate"], [
         [d["step"], human_bytes(d["bytes"]), f"{d['seconds']:.2f} s" if not d["skipped"] else d["skipped"],
-         human_rate(d["bytes"] / d["seconds"]) if d["seconds"] else "-"] for d in done])
+         fmt_rate(d["bytes"] / d["seconds"]) if d["seconds"] else "-"] for d in done])
     return 0
 
 

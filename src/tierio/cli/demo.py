@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tierio.cli.output import console, print_json, print_table
-from tierio.units import human_bytes, human_rate
+from tierio.units import fmt_rate, human_bytes
 
 EXAMPLES = """\
 examples:
@@ -183,7 +183,7 @@ def print_summary(d: dict[str, Any]) -> None:
         kind = "s3" if t["url"].startswith("s3://") else "dir"
         rows.append([f"{t['tier']} {t['role']} ({kind})", t["checkpoints"], human_bytes(t["bytes_held"]),
                      human_bytes(t["bytes_written"]) if t.get("bytes_written") is not None else "-",
-                     human_rate(bw) if bw else "-"])
+                     fmt_rate(bw) if bw else "-"])
     print_table("Tiers (before the failure)", ["tier", "checkpoints", "held", "written", "write rate"], rows)
     bw = d["state_bytes"] / d["restore_s"] if d["restore_s"] else 0
     print_table("Recovery", ["", "value"], [
@@ -191,7 +191,7 @@ def print_summary(d: dict[str, Any]) -> None:
         ["restored from", next((f"tier {t['tier']} {t['role']}" for t in d["tiers"] if t["url"] == d["restored_from"]),
                                d["restored_from"])],
         ["restored step", d["resumed_from"]],
-        ["restore time", f"{d['restore_s']:.2f} s ({human_rate(bw)})"],
+        ["restore time", f"{d['restore_s']:.2f} s ({fmt_rate(bw)})"],
         ["steps redone", d["steps"] - d["resumed_from"]],
         ["bit-exact with the uninterrupted run", "yes" if d["bit_exact"] else "NO"],
     ])

@@ -15,7 +15,7 @@ import sys
 from tierio._version import __version__
 from tierio.errors import TierioError
 
-COMMANDS = ["demo", "probe", "bench", "plan", "doctor", "ckpt", "weights", "data"]
+COMMANDS = ["demo", "probe", "bench", "plan", "doctor", "ckpt", "weights", "data", "kv"]
 
 EPILOG = """\
 examples:
@@ -30,7 +30,7 @@ examples:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tierio",
-        description="Storage and I/O for AI training and serving: checkpoints, weights, data, sizing.",
+        description="Storage and I/O for AI training and serving: checkpoints, weights, data, KV cache, sizing.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

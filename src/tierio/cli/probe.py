@@ -8,7 +8,7 @@ from rich.console import Console
 
 from tierio.cli.output import print_json, print_table
 from tierio.diag.probe import probe_directory, probe_s3
-from tierio.units import human_bytes, human_rate, parse_size
+from tierio.units import fmt_rate, human_bytes, parse_size
 
 EPILOG = """\
 examples:
@@ -48,7 +48,7 @@ def run(args) -> int:
         print_json(report.to_dict())
         return 0
     rows = [
-        (r.mode + (f" x{r.concurrency}" if r.concurrency else ""), r.op, human_bytes(r.bytes), f"{r.seconds:.2f} s", human_rate(r.bytes_per_s))
+        (r.mode + (f" x{r.concurrency}" if r.concurrency else ""), r.op, human_bytes(r.bytes), f"{r.seconds:.2f} s", fmt_rate(r.bytes_per_s))
         for r in report.results
     ]
     print_table(f"{report.target} ({report.fs_type})", ["mode", "op", "size", "time", "bandwidth"], rows)

@@ -9,7 +9,7 @@ from pathlib import Path
 from tierio.cli.output import byte_progress, print_json, print_table
 from tierio.cli.parsers import action_group
 from tierio.errors import ConfigError
-from tierio.units import human_bytes, human_rate, parse_size
+from tierio.units import fmt_rate, human_bytes, parse_size
 
 EPILOG = """\
 examples:
@@ -41,7 +41,7 @@ def _stats_rows(d: dict) -> list[list[str]]:
     rows = [
         ["source", d["source"]], ["method", d["method"]], ["device", d["device"]],
         ["files", str(d["files"])], ["tensors", str(d["tensors"])], ["bytes", human_bytes(d["bytes"])],
-        ["seconds", f"{d['seconds']:.3f}"], ["throughput", human_rate(d["bytes"] / d["seconds"]) if d["seconds"] else "-"],
+        ["seconds", f"{d['seconds']:.3f}"], ["throughput", fmt_rate(d["bytes"] / d["seconds"]) if d["seconds"] else "-"],
         ["CPU s per GB", f"{d['cpu_s_per_gb']:.3f}"],
         ["O_DIRECT bytes", human_bytes(d["direct_bytes"])], ["page-cache bytes", human_bytes(d["buffered_bytes"])],
         ["remote bytes", human_bytes(d["remote_bytes"])],

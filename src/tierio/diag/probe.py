@@ -12,7 +12,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierio.diag.system import find_mount
@@ -20,28 +20,20 @@ from tierio.errors import ConfigError
 from tierio.io.buffers import HostBuffer
 from tierio.io.files import FileWriter, read_into
 from tierio.io.pagecache import evict
+from tierio.io.stats import Throughput
+from tierio.units import MiB
 
-MiB = 1 << 20
 BLOCK = 64 * MiB  # the probe reuses one source buffer of this size
 
 
 @dataclass
-class ProbeResult:
+class ProbeResult(Throughput):
     target: str
     mode: str  # "direct" | "buffered" | "s3"
     op: str  # "write" | "read" | "put" | "get"
     bytes: int
     seconds: float
     concurrency: int | None = None
-
-    @property
-    def bytes_per_s(self) -> float:
-        return self.bytes / self.seconds if self.seconds > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["bytes_per_s"] = self.bytes_per_s
-        return d
 
 
 @dataclass

@@ -19,6 +19,7 @@ import errno
 import fcntl
 import logging
 import os
+import stat
 import time
 from collections import deque
 from collections.abc import Callable
@@ -119,6 +120,24 @@ def hold_write_lock(fd: int) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         pass
+
+
+def writer_gone(path: str | Path) -> bool:
+    """True for a regular file (not a link) whose writer's lock (``hold_write_lock``) nobody holds:
+    the process that wrote it died or finished, so a temp file under that name is garbage."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def pwrite_all(fd: int, view: memoryview, offset: int, path: str | Path) -> None:

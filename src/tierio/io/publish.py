@@ -20,15 +20,13 @@ holds the lock of).
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
-import stat
 from pathlib import Path
 
 from tierio.errors import ConfigError, FormatError, StorageError
 from tierio.io.durable import TMP_MARK, atomic_write, fsync_dir, temp_name
-from tierio.io.files import hold_write_lock, os_error, pwrite_all
+from tierio.io.files import hold_write_lock, os_error, pwrite_all, writer_gone
 from tierio.io.paths import open_regular
 from tierio.io.untrusted import Fields, loads
 
@@ -189,7 +187,7 @@ def remove_stale_temps(final: Path) -> int:
     except FileNotFoundError:
         return 0
     for e in entries:
-        if _unowned(e.path):
+        if writer_gone(e.path):
             try:
                 os.unlink(e.path)
                 removed += 1
@@ -197,22 +195,6 @@ def remove_stale_temps(final: Path) -> int:
                 pass
     return removed
 
-
-def _unowned(path: str) -> bool:
-    """A regular file whose writer's lock (io.files.hold_write_lock) nobody holds."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW | _CLOEXEC)
-    except OSError:
-        return False
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
 
 
 __all__ = ["PendingFile", "finish_publish", "journal_path", "publish", "recover", "remove_stale_temps"]

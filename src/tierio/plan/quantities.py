@@ -11,7 +11,13 @@ import math
 import re
 
 from tierio.errors import ConfigError
-from tierio.units import parse_size
+from tierio.units import fmt_bytes, fmt_num, fmt_rate, parse_size
+
+# Byte and rate formatting lives in tierio.units; plan code and its users import it from here too.
+__all__ = [
+    "parse_count", "parse_bytes", "parse_rate", "parse_duration", "parse_fraction", "parse_money",
+    "fmt_bytes", "fmt_rate", "fmt_num", "fmt_seconds", "fmt_money", "fmt_pct",
+]
 
 _COUNT_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 _TIME_SUFFIX = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9, "min": 60.0, "m": 60.0,
@@ -113,19 +119,6 @@ def parse_money(text: str | int | float, what: str = "price") -> float:
 
 # ---- formatting, decimal units like the arithmetic they report --------------------------------
 
-def fmt_bytes(n: float) -> str:
-    """1.12e12 -> '1.12 TB' (decimal, three significant figures)."""
-    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{fmt_num(n / scale)} {unit}"
-    return f"{n:.0f} B"
-
-
-def fmt_rate(bps: float) -> str:
-    """3.73e10 -> '37.3 GB/s'."""
-    return fmt_bytes(bps) + "/s"
-
-
 def fmt_seconds(s: float) -> str:
     if s < 1e-3:
         return f"{fmt_num(s * 1e6)} µs"
@@ -152,13 +145,3 @@ def fmt_pct(fraction: float) -> str:
     if pct == 0:
         return "0%"
     return f"{fmt_num(pct, 2)}%" if abs(pct) < 0.01 else f"{fmt_num(pct)}%"
-
-
-def fmt_num(x: float, digits: int = 3) -> str:
-    """Three significant figures without scientific notation: 37.33 -> '37.3', 4484 -> '4,484'."""
-    if x == 0:
-        return "0"
-    if abs(x) >= 10 ** digits:
-        return f"{x:,.0f}"
-    decimals = max(0, digits - 1 - int(math.floor(math.log10(abs(x)))))
-    return f"{x:.{decimals}f}"

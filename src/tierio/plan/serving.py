@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from tierio.errors import ConfigError
+from tierio.kv.rule import FetchRule, fetch_rule
 
 # Effective bandwidth of each path a serving node loads weights through (bytes/s).
 # Single figures from the typical ranges: NFS server 5–10 GB/s, first load onto local NVMe
@@ -81,38 +82,15 @@ def users_per_budget(budget_bytes: float, bytes_per_user: float) -> int:
     return int(math.floor(budget_bytes / bytes_per_user + 1e-9))
 
 
-@dataclass(frozen=True)
-class FetchRule:
-    """Decode-latency cost of fetching KV blocks from a slower tier.
-
-    overhead = fetch fraction × fetch latency / decode latency per token; viable when the
-    overhead stays within ``budget``. ``max_fraction`` is the largest fetch fraction that does.
-    """
-
-    fetch_fraction: float
-    fetch_latency_s: float
-    decode_latency_s: float
-    penalty_s: float          # fetch fraction × fetch latency
-    overhead: float           # penalty / decode latency
-    budget: float
-    viable: bool
-    max_fraction: float       # min(1, budget × decode latency / fetch latency)
-
-
-def fetch_rule(fetch_fraction: float, fetch_latency_s: float, decode_latency_s: float, budget: float = 0.05) -> FetchRule:
-    """Apply the fetch-latency rule for a decode SLA (see FetchRule)."""
-    if not 0 <= fetch_fraction <= 1:
-        raise ConfigError(f"fetch fraction must lie between 0 and 1, got {fetch_fraction!r}")
-    if fetch_latency_s <= 0 or decode_latency_s <= 0:
-        raise ConfigError("fetch latency and decode latency must both be more than zero")
-    penalty = fetch_fraction * fetch_latency_s
-    overhead = penalty / decode_latency_s
-    return FetchRule(fetch_fraction, fetch_latency_s, decode_latency_s, penalty, overhead, budget,
-                     overhead <= budget, min(1.0, budget * decode_latency_s / fetch_latency_s))
-
-
 def resume_seconds(bytes_per_user: float, tier_bw: float) -> float:
     """Time to bring one user's whole KV cache back from a tier: KV bytes per user / tier bandwidth."""
     if tier_bw <= 0:
         raise ConfigError("tier bandwidth must be more than zero")
     return bytes_per_user / tier_bw
+
+
+# The fetch rule lives with the KV router, which applies it to every lookup; sizing re-exports it.
+__all__ = [
+    "LOAD_PATHS", "FetchRule", "LoadTime", "fetch_rule", "kv_budget", "kv_bytes_per_token", "replica_gpus",
+    "resume_seconds", "users_per_budget", "weight_load_times",
+]

@@ -8,7 +8,6 @@ listings skip links, so no key reaches outside the root even when someone plante
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import stat
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 
 from tierio.errors import FormatError, NotFoundError
 from tierio.io.durable import atomic_copy, atomic_write, fsync_dir, is_temp
-from tierio.io.files import os_error, pwrite_all, read_into
+from tierio.io.files import os_error, pwrite_all, read_into, writer_gone
 from tierio.io.limiter import TokenBucket
 from tierio.io.paths import open_beneath, open_dir_beneath
 from tierio.io.space import disk_space
@@ -222,7 +221,7 @@ class LocalStore:
                     continue
                 try:
                     st = os.lstat(path)
-                    if stat.S_ISREG(st.st_mode) and now - st.st_mtime >= older_than and (force or _unowned(path)):
+                    if stat.S_ISREG(st.st_mode) and now - st.st_mtime >= older_than and (force or writer_gone(path)):
                         os.unlink(path)
                         removed += 1
                 except FileNotFoundError:
@@ -234,18 +233,3 @@ class LocalStore:
 
     def close(self) -> None:
         pass
-
-
-def _unowned(path: str) -> bool:
-    """True when no process holds the writer's lock on ``path`` (see io.files.hold_write_lock)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)  # closing releases the lock

@@ -56,10 +56,10 @@ from tierio.storage.s3_errors import (
     field,
 )
 from tierio.storage.url import check_endpoint
+from tierio.units import MiB
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-MiB = 1 << 20
 UPLOAD_PAGE = 1000  # multipart uploads asked for per listing page (the S3 maximum)
 EXPECT_WAIT = 1.0  # botocore waits this long for "100 Continue" before it sends an upload's body anyway
 READ_CHUNK = 1 * MiB  # a body is read in pieces so a cancelled call stops between them

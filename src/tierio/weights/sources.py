@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from urllib.parse import urlsplit, urlunsplit
 from tierio.errors import FormatError, NotFoundError
 from tierio.format.manifest import MAX_MANIFEST_BYTES
 from tierio.format.safetensors import Header, TensorEntry, read_header_from
+from tierio.io import engine
 from tierio.io.files import os_error
 from tierio.io.paths import open_regular
 from tierio.io.untrusted import Fields, check_str, loads, parser
@@ -29,6 +29,7 @@ INDEX_SUFFIX = ".safetensors.index.json"
 HEAD_PROBE = 1 << 20  # first GET of a remote shard: the header of nearly every real file fits
 # the index of the largest models lists ~100k tensors in a few MB; a checkpoint manifest has its own limit
 MAX_INDEX_BYTES = MAX_MANIFEST_BYTES
+_PARALLEL = 8  # stats and header reads of a remote model's shards in flight at once
 
 
 @dataclass(eq=False)  # identity semantics: shards are dict keys
@@ -148,7 +149,8 @@ def _parent_url(url: str) -> tuple[str, str]:
     return urlunsplit((u.scheme, u.netloc, parent, u.query, u.fragment)), name
 
 
-def _read_header_local(path: Path, where: str) -> Header:
+def read_header_local(path: Path, where: str) -> Header:
+    """The safetensors header of a local file (a FormatError names ``where`` when it is damaged)."""
     fd = _open(path)
     try:
         size = os.fstat(fd).st_size
@@ -230,7 +232,7 @@ def resolve(source: str | os.PathLike, *, read_headers: bool = True) -> ModelSou
         raise NotFoundError(f"{path} does not exist; give a .safetensors file, a model directory or an s3:// URL")
     if read_headers:
         for s in src.shards:
-            s.header = _read_header_local(s.path, s.where)
+            s.header = read_header_local(s.path, s.where)
         _finish_names(src)
     return src
 
@@ -269,14 +271,12 @@ def _resolve_remote(url: str, read_headers: bool) -> ModelSource:
             )
         except NotFoundError as exc:
             raise NotFoundError(f"{url}: {exc}") from None
-        with ThreadPoolExecutor(8) as pool:
-            infos = list(pool.map(store.stat, shard_keys))
+        infos = engine.run_windows(shard_keys, store.stat, depth=_PARALLEL)
         shards = [Shard(k, i.size, _where(store, k), i.mtime, store=store) for k, i in zip(shard_keys, infos)]
         src = ModelSource(url, kind, shards, store=store, keys=keys, names={} if subtree else None)
     if read_headers:
-        with ThreadPoolExecutor(8) as pool:
-            for s, h in zip(src.shards, pool.map(_read_header_remote, src.shards)):
-                s.header = h
+        for s, h in zip(src.shards, engine.run_windows(src.shards, _read_header_remote, depth=_PARALLEL)):
+            s.header = h
         _finish_names(src)
     return src
 

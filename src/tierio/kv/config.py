@@ -1,0 +1,63 @@
+"""Options of a KV cache, grouped: budgets per tier, watermarks, admission, I/O shape, timeouts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tierio.errors import ConfigError
+from tierio.units import MiB
+
+
+@dataclass(frozen=True)
+class Watermarks:
+    """When a tier's used share rises above ``high``, blocks are written down (or dropped) from its
+    least recently used end until it is back to ``low``; the gap lets puts find free slots without
+    waiting for a write."""
+
+    high: float = 0.9
+    low: float = 0.7
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low <= self.high <= 1:
+            raise ConfigError(f"watermarks must satisfy 0 < low <= high <= 1, got low={self.low!r} high={self.high!r}")
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """Budgets are bytes. A tier whose budget holds no whole block is left out.
+
+    ``nvme_dir``/``nvme_bytes``: the local NVMe tier (preallocated slab files under that directory).
+    ``shared_url``: optional tierio store URL (a shared-filesystem directory or ``s3://``) holding
+    blocks for other nodes. ``admit_uses``: a block leaving DRAM is written to NVMe only once it has
+    been used (stored or read) this many times, counting earlier lives in the cache; 1 writes every
+    block down. ``depth``: reads and writes in flight. ``io_timeout_s``: the longest any call waits
+    for another thread's transfer before counting a miss."""
+
+    dram_bytes: int = 1 << 30
+    nvme_dir: str | Path | None = None
+    nvme_bytes: int = 0
+    shared_url: str | None = None
+    slab_bytes: int = 1 << 30
+    watermarks: Watermarks = field(default_factory=Watermarks)
+    admit_uses: int = 2
+    depth: int = 8
+    piece_bytes: int = 8 * MiB
+    io_timeout_s: float = 30.0
+    persist_on_close: bool = True
+    fetch_latency_s: float = 200e-6
+
+    def __post_init__(self) -> None:
+        for name in ("dram_bytes", "nvme_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"KV cache: {name} must be a byte count >= 0, got {v!r}")
+        if self.nvme_bytes and self.nvme_dir is None:
+            raise ConfigError("KV cache: nvme_bytes is set but nvme_dir is not; name the directory of the NVMe tier")
+        if self.admit_uses < 1 or self.depth < 1 or self.piece_bytes < 4096 or self.slab_bytes < 4096:
+            raise ConfigError("KV cache: admit_uses and depth must be >= 1, piece_bytes and slab_bytes >= 4096")
+        if not self.io_timeout_s > 0 or not self.fetch_latency_s > 0:
+            raise ConfigError("KV cache: io_timeout_s and fetch_latency_s must be more than zero")
+
+
+__all__ = ["KVConfig", "Watermarks"]

@@ -1,0 +1,82 @@
+"""What a KV cache reports: per-tier occupancy and hits, and counters of every decision and failure."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+
+
+class Tier(str, enum.Enum):
+    """Where a block is: host memory, the local NVMe slabs, or the shared store."""
+
+    DRAM = "dram"
+    NVME = "nvme"
+    SHARED = "shared"
+
+
+@dataclass
+class Counters:
+    """Monotonic counts since the cache opened (blocks unless named otherwise)."""
+
+    lookups: int = 0
+    lookup_keys: int = 0
+    stored: int = 0              # blocks put into the cache
+    already_cached: int = 0      # puts of a block the cache held
+    put_dropped: int = 0         # puts that found no slot (every slot pinned or in transfer)
+    served: int = 0              # blocks a get delivered
+    missed: int = 0              # blocks a get was asked for and did not deliver
+    served_dram: int = 0
+    served_nvme: int = 0
+    served_shared: int = 0
+    written_down: int = 0        # blocks written from DRAM to NVMe (or the shared store)
+    written_bytes: int = 0
+    not_admitted: int = 0        # blocks dropped from DRAM without a write: used fewer than admit_uses times
+    dropped: int = 0             # blocks that left the cache entirely (eviction, errors)
+    prefetched: int = 0
+    prefetch_late: int = 0       # prefetches skipped because their deadline had passed
+    uploaded: int = 0            # blocks written to the shared store
+    integrity_errors: int = 0    # checksum, key or size mismatches on a read: counted as misses
+    io_errors: int = 0           # failed reads or writes: counted as misses
+    disk_full: int = 0           # ENOSPC while creating or writing a tier
+    timeouts: int = 0            # waits for another thread's transfer that ran out of time
+    recovered: int = 0           # NVMe blocks found committed when the tier opened
+    discarded: int = 0           # NVMe index records found torn, damaged or out of range when it opened
+
+
+@dataclass
+class TierStats:
+    tier: Tier
+    slots: int
+    used: int
+    slot_bytes: int
+    direct: bool = False         # NVMe: slabs opened with O_DIRECT
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used * self.slot_bytes
+
+
+@dataclass
+class KVStats:
+    blocks: int
+    block_bytes: int
+    tiers: list[TierStats]
+    counters: Counters
+    pinned: int                  # blocks held by pin()/lease()
+    reading: int                 # copies being read right now
+    fetch_latency_s: float       # NVMe block fetch latency the router uses (measured once reads happen)
+    shared: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["tiers"] = [{**asdict(t), "tier": t.tier.value, "capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes}
+                      for t in self.tiers]
+        return d
+
+
+__all__ = ["Counters", "KVStats", "Tier", "TierStats"]
