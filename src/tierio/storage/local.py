@@ -18,7 +18,9 @@ from tierio.errors import FormatError, NotFoundError
 from tierio.io.durable import atomic_copy, atomic_write, fsync_dir, is_temp
 from tierio.io.files import os_error, pwrite_all, read_into, writer_gone
 from tierio.io.limiter import TokenBucket
+from tierio.io.pagecache import residency
 from tierio.io.paths import open_beneath, open_dir_beneath
+from tierio.io.readpath import SAMPLE_BYTES, ReadPath, read_path_of
 from tierio.io.space import disk_space
 from tierio.storage.base import Buffer, ObjectInfo, check_key
 
@@ -32,6 +34,7 @@ class LocalStore:
         self.root = Path(root).expanduser().absolute()
         self.direct = direct
         self.limiter = limiter
+        self._read_path: ReadPath | None = None
         if create:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -96,10 +99,28 @@ class LocalStore:
         except OSError as exc:
             raise os_error(exc, self.root / key, "opening") from exc
 
+    def read_path(self) -> ReadPath:
+        """How large reads of this directory's file system go, O_DIRECT or buffered (io.readpath)."""
+        if self._read_path is None:
+            self._read_path = read_path_of(self.root)
+        return self._read_path
+
     def read_into(self, key: str, offset: int, buf: memoryview) -> int:
-        fd, direct = self.open(key, direct=self.direct)
+        n = memoryview(buf).nbytes
+        way = self.read_path() if self.direct and n >= SAMPLE_BYTES else None
+        want = self.direct if way is None else way.direct()
+        fd, direct = self.open(key, direct=want)
+        if way is not None and want and not direct:
+            way.settle("buffered")  # the file system refuses O_DIRECT (tmpfs): nothing to measure
         try:
-            read_into(self.root / key, offset, buf, direct=direct, fd=fd)
+            if way is not None and way.measuring:
+                cold = residency(fd).fraction(offset, n) < 0.5
+                t0 = time.perf_counter()
+                read_into(self.root / key, offset, buf, direct=direct, fd=fd)
+                if cold:
+                    way.record(direct, n, time.perf_counter() - t0)
+            else:
+                read_into(self.root / key, offset, buf, direct=direct, fd=fd)
         finally:
             os.close(fd)
         return len(buf)
