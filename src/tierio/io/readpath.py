@@ -5,8 +5,8 @@ disks and network file systems buffered reads, with the kernel's readahead, run 
 constant knows which disk it runs on, so the first large reads of cold bytes on each file system
 alternate between the two ways (the same windows of the same restore, under the same load) and
 their throughputs are compared; from then on the faster way is used on that file system (per
-process). Reads of bytes already in the page cache are not samples: buffered wins those anyway,
-and the reader picks them by residency where it matters.
+process). Reads of bytes already in the page cache are not samples: readers check residency
+first and read those buffered, at the speed of a memcpy.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from tierio.units import MiB
 
 SAMPLE_BYTES = 4 * MiB  # smaller reads say more about latency than about the way of reading
 SAMPLES = 3  # cold reads of each way before choosing
+RESIDENT = 0.5  # a read at least this much in the page cache is buffered (a memcpy), whatever the way
 
 
 @dataclass

@@ -18,9 +18,9 @@ from tierio.errors import FormatError, NotFoundError
 from tierio.io.durable import atomic_copy, atomic_write, fsync_dir, is_temp
 from tierio.io.files import os_error, pwrite_all, read_into, writer_gone
 from tierio.io.limiter import TokenBucket
-from tierio.io.pagecache import residency
+from tierio.io.pagecache import range_resident
 from tierio.io.paths import open_beneath, open_dir_beneath
-from tierio.io.readpath import SAMPLE_BYTES, ReadPath, read_path_of
+from tierio.io.readpath import RESIDENT, SAMPLE_BYTES, ReadPath, read_path_of
 from tierio.io.space import disk_space
 from tierio.storage.base import Buffer, ObjectInfo, check_key
 
@@ -106,24 +106,36 @@ class LocalStore:
         return self._read_path
 
     def read_into(self, key: str, offset: int, buf: memoryview) -> int:
+        """Large reads take the read way measured for this filesystem (io.readpath), and bytes
+        already in the page cache are copied from there (buffered) rather than read again."""
         n = memoryview(buf).nbytes
-        way = self.read_path() if self.direct and n >= SAMPLE_BYTES else None
-        want = self.direct if way is None else way.direct()
-        fd, direct = self.open(key, direct=want)
-        if way is not None and want and not direct:
-            way.settle("buffered")  # the file system refuses O_DIRECT (tmpfs): nothing to measure
+        if not self.direct or n < SAMPLE_BYTES:
+            return self._read(key, offset, buf, direct=self.direct)
+        fd, _ = self.open(key)
         try:
-            if way is not None and way.measuring:
-                cold = residency(fd).fraction(offset, n) < 0.5
-                t0 = time.perf_counter()
-                read_into(self.root / key, offset, buf, direct=direct, fd=fd)
-                if cold:
-                    way.record(direct, n, time.perf_counter() - t0)
-            else:
-                read_into(self.root / key, offset, buf, direct=direct, fd=fd)
+            if range_resident(fd, offset, n) >= RESIDENT:
+                read_into(self.root / key, offset, buf, direct=False, fd=fd)
+                return len(buf)
         finally:
             os.close(fd)
+        way = self.read_path()
+        want = way.direct()
+        t0 = time.perf_counter()
+        direct = self._read(key, offset, buf, direct=want)
+        if want and not direct:
+            way.settle("buffered")  # the filesystem refuses O_DIRECT (tmpfs): nothing to measure
+        else:
+            way.record(direct, n, time.perf_counter() - t0)  # cold bytes: a fair sample
         return len(buf)
+
+    def _read(self, key: str, offset: int, buf: memoryview, *, direct: bool) -> bool:
+        """Read with O_DIRECT when asked and possible; whether it was."""
+        fd, is_direct = self.open(key, direct=direct)
+        try:
+            read_into(self.root / key, offset, buf, direct=is_direct, fd=fd)
+        finally:
+            os.close(fd)
+        return is_direct
 
     def get_file(self, key: str, path: str | Path) -> int:
         fd, _ = self.open(key, direct=self.direct)
