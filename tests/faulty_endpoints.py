@@ -14,12 +14,13 @@ from dataclasses import dataclass
 METHODS = (b"GET", b"PUT", b"POST", b"HEAD", b"DELETE")
 
 
-class StalledEndpoint:
-    """Accepts every connection and never reads or answers a byte."""
+class LoopbackServer:
+    """A listener on 127.0.0.1 that hands each accepted connection to ``_serve`` and closes every
+    socket it made on ``close``."""
 
     def __init__(self) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0), backlog=128)
-        self.conns: list[socket.socket] = []
+        self.socks: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
@@ -32,12 +33,20 @@ class StalledEndpoint:
                 conn, _ = self.listener.accept()
             except OSError:
                 return
-            self.conns.append(conn)
+            self.socks.append(conn)
+            self._serve(conn)
+
+    def _serve(self, conn: socket.socket) -> None:
+        """Holds the connection open and never reads or answers a byte."""
 
     def close(self) -> None:
         self.listener.close()
-        for c in self.conns:
-            c.close()
+        for s in self.socks:
+            s.close()
+
+
+class StalledEndpoint(LoopbackServer):
+    """Accepts every connection and never reads or answers a byte."""
 
 
 @dataclass
@@ -47,7 +56,7 @@ class Fault:
     reset: bool = False  # drop with a TCP reset instead of a clean close
 
 
-class FaultyProxy:
+class FaultyProxy(LoopbackServer):
     """A loopback TCP proxy in front of SeaweedFS; ``rule(request_line)`` picks a Fault per request."""
 
     def __init__(self, upstream: str, rule: Callable[[str], Fault | None],
@@ -60,23 +69,12 @@ class FaultyProxy:
         self.stalled: list[str] = []
         self.cuts: list[str] = []
         self.lock = threading.Lock()
-        self.socks: list[socket.socket] = []
-        self.listener = socket.create_server(("127.0.0.1", 0), backlog=128)
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self.upstream)
-            self.socks += [client, upstream]
-            threading.Thread(target=self._relay, args=(client, upstream), daemon=True).start()
+    def _serve(self, client: socket.socket) -> None:
+        upstream = socket.create_connection(self.upstream)
+        self.socks.append(upstream)
+        threading.Thread(target=self._relay, args=(client, upstream), daemon=True).start()
 
     def _relay(self, client: socket.socket, upstream: socket.socket) -> None:
         """One thread per connection, so a cut closes sockets no other thread is blocked on."""
@@ -122,10 +120,6 @@ class FaultyProxy:
         if reset:
             client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
-    def close(self) -> None:
-        self.listener.close()
-        for s in self.socks:
-            s.close()
 
 
 def first(n: int, match: Callable[[str], bool], fault: Fault) -> Callable[[str], Fault | None]:

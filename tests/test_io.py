@@ -9,8 +9,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from payloads import payload
 
-from tierio.errors import DiskFullError, IntegrityError, NotFoundError, PermissionDeniedError
+from tierio.errors import (
+    DiskFullError,
+    IntegrityError,
+    NotFoundError,
+    PermissionDeniedError,
+)
 from tierio.io import (
     ALIGN,
     BufferPool,
@@ -30,10 +36,6 @@ from tierio.io.buffers import address_of
 from tierio.io.stats import recent
 
 SIZES = [0, 1, 511, 4095, 4096, 4097, 3 * 1024 * 1024 + 17]
-
-
-def payload(n: int, seed: int = 0) -> bytes:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
 def test_host_buffer_is_aligned_and_writable():

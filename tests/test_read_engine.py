@@ -8,9 +8,9 @@ import os
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
+from payloads import payload
 from safetensors.torch import save_file
 
 from tierio.errors import IntegrityError
@@ -33,10 +33,6 @@ from tierio.weights import load, load_into
 
 KiB = 1 << 10
 HANG = 120  # seconds after which a run that has not finished is taken for a deadlock
-
-
-def payload(n: int, seed: int = 0) -> bytes:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
 def finishes(fn) -> list:

@@ -15,9 +15,9 @@ import sys
 import threading
 
 import boto3
-import numpy as np
 import pytest
 from faulty_endpoints import Fault, FaultyProxy, StalledEndpoint, first, ranged_get, via
+from payloads import MiB, payload
 
 import tierio.storage.s3 as s3mod
 from tierio.errors import (
@@ -27,12 +27,6 @@ from tierio.errors import (
     TierioError,
 )
 from tierio.storage import S3Store, open_store, read_bytes
-
-MiB = 1 << 20
-
-
-def payload(n: int, seed: int = 0) -> bytes:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
 import pytest
+from payloads import MiB, payload
 
 from tierio.errors import (
     AuthError,
@@ -19,12 +19,6 @@ from tierio.errors import (
 )
 from tierio.storage import LocalStore, S3Store, open_store, read_bytes
 from tierio.storage.seaweed import free_port
-
-MiB = 1 << 20
-
-
-def payload(n: int, seed: int = 0) -> bytes:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
 @pytest.fixture(params=["local", "s3"])
