@@ -38,6 +38,8 @@ from tierio.format.safetensors import torch_dtype
 from tierio.format.shard import step_dir
 from tierio.format.slices import Box, TensorSlice, dtensor_box, is_dtensor
 from tierio.format.statetree import tensor_refs, unflatten
+from tierio.io.buffers import align_up
+from tierio.io.mapping import Arena
 from tierio.io.untrusted import parsing
 
 from tierio.ckpt.commit import read_record, where
@@ -244,6 +246,7 @@ def load_state(manifest: Manifest, rank: int, into: Any, sources: Sequence[Sourc
     for k, tensor in mapped.tensors.items():
         wants[k].result = tensor
     rest = [w for k, w in wants.items() if k not in mapped.tensors]
+    prefault([w for w in rest if w.fresh and w.target.dest.numel()])
     read_from = {**mapped.read_from, **read_all(manifest, loaded, [(w.stored, w.target) for w in rest], sources)}
     stats.mapped_bytes = mapped.nbytes
     stats.read_bytes = sum(w.target.dest.numel() * w.target.dest.element_size() for w in rest)
@@ -255,6 +258,29 @@ def load_state(manifest: Manifest, rank: int, into: Any, sources: Sequence[Sourc
                           lambda name, _t: wants[(True, name)].result)
     stats.seconds = time.perf_counter() - t0
     return Restored(state, read_from, stats)
+
+
+PREFAULT_MIN = 1 << 20  # below this, torch.empty's own faults cost less than an arena
+
+
+def prefault(wants: list[_Want]) -> None:
+    """New tensors the restore reads into (not mapped: on S3, spread over several files, or
+    ``mapped=False``) are carved out of one huge-page arena faulted in by several threads before
+    the reads: first-touch faults of 4 KiB pages cost more than the read on virtual machines."""
+    sizes = [w.target.dest.numel() * w.target.dest.element_size() for w in wants]
+    if sum(sizes) < PREFAULT_MIN:
+        return
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += align_up(n, 64)  # every tensor starts on a cache line
+    arena = Arena(total)
+    arena.populate_all()
+    for w, at, n in zip(wants, offsets, sizes):
+        dest = w.target.dest
+        fresh = arena.typed(at, dest.dtype, dest.numel()).view(dest.shape)
+        w.target = Target(w.target.name, fresh, w.target.box)
+        w.result = fresh
 
 
 def read_all(manifest: Manifest, loaded: Loaded, wanted: list[tuple[Stored, Target]],

@@ -84,6 +84,16 @@ class Arena:
 
         return torch.frombuffer(self._mm, dtype=torch.uint8)[self.base : self.base + self.capacity]
 
+    def typed(self, offset: int, dtype, count: int):
+        """``count`` elements of torch ``dtype`` at byte ``offset`` as a tensor of their own storage."""
+        import torch
+
+        return torch.frombuffer(self._mm, dtype=dtype, count=count, offset=self.base + offset)
+
+    def populate_all(self, *, window: int = MAP_CHUNK, depth: int = MAP_DEPTH) -> None:
+        """Fault the whole arena in, ``depth`` windows at a time on the shared I/O pool."""
+        run_windows(list(range(0, self.capacity, window)), lambda at: self.populate(at, min(window, self.capacity - at)), depth)
+
 
 class FileMapping:
     """A private (copy-on-write) mapping of bytes [start, start+nbytes) of a local file.
