@@ -185,3 +185,17 @@ def test_a_chunk_failing_its_checksum_while_mapping_falls_back_to_the_next_copy(
         warnings.simplefilter("ignore")
         with pytest.raises(IntegrityError, match="no valid copy of step 1"):
             mgr.restore(1)
+
+
+def test_a_mapped_tensor_unmaps_its_file_when_dropped_without_waiting_for_gc(tmp_path):
+    # A file deleted by retention keeps taking space (a tmpfs tier) while a map of it lives.
+    import gc
+
+    with CheckpointManager([tmp_path]) as mgr:
+        mgr.save(1, make_state()).wait()
+        gc.disable()
+        try:
+            assert mgr.restore(1)["w"].shape == (333, 77)
+            assert not [line for line in open("/proc/self/maps") if str(shard(tmp_path)) in line]
+        finally:
+            gc.enable()

@@ -256,6 +256,10 @@ def load_state(manifest: Manifest, rank: int, into: Any, sources: Sequence[Sourc
     with parsing(f"{label}: the state tree"):
         state = unflatten(tree, lambda name, _t: wants[(False, name)].result, into,
                           lambda name, _t: wants[(True, name)].result)
+    # The tree walk's recursive closure is a reference cycle holding the callbacks above: emptied,
+    # it holds no tensor, so a restored tensor dies with the caller's last reference to it (a
+    # mapped one unmaps its file then, instead of at the next garbage collection).
+    wants.clear()
     stats.seconds = time.perf_counter() - t0
     return Restored(state, read_from, stats)
 
