@@ -135,7 +135,7 @@ def test_resharding_restores_into_new_memory_and_in_place(tmp_path):
         stats = mgr.stats()["restore"]
         assert stats["mapped_bytes"] == 6 and stats["read_bytes"] == WHOLE.numel() * 4
     for world in (2, 3):
-        def one(r: int) -> None:
+        def one(r: int, world: int = world) -> None:
             lo, hi = 10 * r // world, 10 * (r + 1) // world
             target = TensorSlice(torch.full((hi - lo, 6), -1.0), (lo, 0), (10, 6))
             with CheckpointManager([tmp_path], rank=r, world_size=world) as mgr:
@@ -196,6 +196,6 @@ def test_a_mapped_tensor_unmaps_its_file_when_dropped_without_waiting_for_gc(tmp
         gc.disable()
         try:
             assert mgr.restore(1)["w"].shape == (333, 77)
-            assert not [line for line in open("/proc/self/maps") if str(shard(tmp_path)) in line]
+            assert str(shard(tmp_path)) not in Path("/proc/self/maps").read_text()
         finally:
             gc.enable()

@@ -48,7 +48,7 @@ from tierio.ckpt.reader import check_shard
 from tierio.ckpt.reshard import Stored, Target, global_tensors, own_tensors, plan_reads, read_file
 from tierio.ckpt.source import Source
 
-__all__ = ["Loaded", "Restored", "RestoreStats", "Source", "load_state", "own_rank", "read_all"]
+__all__ = ["Loaded", "RestoreStats", "Restored", "Source", "load_state", "own_rank", "read_all"]
 
 log = logging.getLogger("tierio.ckpt")
 
