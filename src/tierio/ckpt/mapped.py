@@ -113,11 +113,10 @@ def map_file(store: LocalStore, key: str, label: str, tensors: Sequence[Placed])
 
 @dataclass
 class MapOutcome:
-    """What mapping gave: the tensors, where each file came from, and what it could not map."""
+    """What mapping gave: the tensors (the others are read) and where each file came from."""
 
     tensors: dict[tuple[bool, str], torch.Tensor] = field(default_factory=dict)
     read_from: dict[str, str] = field(default_factory=dict)
-    left: set[tuple[bool, str]] = field(default_factory=set)  # to be read instead
     nbytes: int = 0
 
 
@@ -134,8 +133,7 @@ def map_all(step: int, entry_of: Callable[[int], RankEntry], placed_tensors: Seq
         problems: list[str] = []
         for src in sources:
             if not isinstance(src.store, LocalStore):
-                out.left.update(t.key for t in tensors)  # read through the store instead, from this source on
-                break
+                break  # not a local directory (S3): the restore reads this file through the store
             label = where(src.store, key)
             try:
                 check_shard(src.store, step, entry_of(tensors[0].rank))
