@@ -175,7 +175,7 @@ def test_a_chunk_failing_its_checksum_while_mapping_falls_back_to_the_next_copy(
         mgr.wait()
     corrupt_chunk(tiers[0], "big", index)
     with CheckpointManager(tiers) as mgr:
-        with pytest.warns(UserWarning, match=r"passing over: checksum mismatch in .*fast/step_000000001/rank_00000.safetensors"):
+        with pytest.warns(UserWarning, match=r"passed over are unusable: checksum mismatch in .*fast/step_000000001/rank_00000.safetensors"):
             got = mgr.restore(1)
         assert_same(got, state)
         assert mgr.stats()["restore"]["mapped_bytes"] == nbytes(state)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tierio import events
 from tierio.errors import FormatError, IntegrityError, NotFoundError, StorageError
 from tierio.format.manifest import ChunkInfo, RankEntry
 from tierio.format.safetensors import torch_dtype
@@ -144,11 +145,13 @@ def map_all(step: int, entry_of: Callable[[int], RankEntry], placed_tensors: Seq
                 continue
             except (IntegrityError, FormatError, StorageError) as exc:
                 problems.append(str(exc))
+                events.emit(events.CopyUnusable(step, src.store.url, str(exc)))
                 continue
             out.read_from[file] = src.store.url
             out.nbytes += sum(t.nbytes for t in tensors)
             if problems:
-                msg = f"mapped {file} of step {step} from {src.store.url} after passing over: " + "; ".join(problems)
+                msg = (f"mapped {file} of step {step} from {src.store.url}; the copies passed over are unusable: "
+                       + "; ".join(problems))
                 warnings.warn(msg, stacklevel=5)
                 log.warning("%s", msg)
             break
