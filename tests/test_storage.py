@@ -142,3 +142,32 @@ def test_s3_server_stopped_mid_upload_leaves_no_object(seaweed, s3_url):
     assert "big.bin" not in keys
     s2.cleanup()  # whatever upload the dead server kept is aborted now that it is back
     assert s2.client.list_multipart_uploads(Bucket=s2.bucket).get("Uploads", []) == []
+
+
+def _create_big(root: str, n: int) -> None:
+    LocalStore(root, direct=False).create_exclusive("lease", b"x" * n)
+
+
+def test_create_exclusive_killed_mid_write_leaves_no_torn_file(tmp_path):
+    """A writer killed while writing leaves the name free (a temp file at most), never an empty
+    or partial file that every later writer would have to wait out or read as corrupt."""
+    import multiprocessing as mp
+    import os
+    import signal
+
+    root = tmp_path / "tier"
+    root.mkdir()
+    p = mp.get_context("spawn").Process(target=_create_big, args=(str(root), 256 << 20))
+    p.start()
+    deadline = time.monotonic() + 120
+    while not any(f.stat().st_size > 0 for f in root.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.001)  # until some bytes are on the disk: the write is under way
+    os.kill(p.pid, signal.SIGKILL)
+    p.join()
+    store = LocalStore(root)
+    assert not store.exists("lease")
+    assert store.create_exclusive("lease", b"run-b") is True
+    assert read_bytes(store, "lease") == b"run-b"
+    assert store.create_exclusive("lease", b"run-c") is False
+    store.cleanup(older_than=0.0)  # the killed writer's temp is garbage: its lock died with it
+    assert [f.name for f in root.iterdir()] == ["lease"]

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tierio.errors import FormatError, NotFoundError
-from tierio.io.durable import atomic_copy, atomic_write, fsync_dir, is_temp
-from tierio.io.files import os_error, pwrite_all, read_into, writer_gone
+from tierio.io.durable import atomic_copy, atomic_write, is_temp, temp_name
+from tierio.io.files import hold_write_lock, os_error, pwrite_all, read_into, writer_gone
 from tierio.io.limiter import TokenBucket
 from tierio.io.pagecache import range_resident
 from tierio.io.paths import open_beneath, open_dir_beneath
@@ -68,20 +68,35 @@ class LocalStore:
         return atomic_copy(path, self._writable(key), direct=self.direct, limiter=self.limiter).bytes
 
     def create_exclusive(self, key: str, data: bytes) -> bool:
-        self._writable(key)
+        # The bytes go to a temp file first and are linked to ``key`` whole: link() fails if the
+        # name exists, so there is one winner, and a writer killed part-way leaves a temp file
+        # (removed by cleanup), never an empty or torn ``key`` that the next writer must wait out.
+        final = self._writable(key)
+        parts = key.split("/")
+        dfd = open_dir_beneath(self.root, parts[:-1], create=True)
+        tmp = temp_name(final).name
         try:
-            fd = open_beneath(self.root, key, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        except FileExistsError:
-            return False
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644, dir_fd=dfd)
+            try:
+                hold_write_lock(fd)
+                pwrite_all(fd, memoryview(data), 0, final)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, parts[-1], src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+            except FileExistsError:
+                return False
+            os.fsync(dfd)
+            return True
         except OSError as exc:
-            raise os_error(exc, self.root / key, "creating") from exc
-        try:
-            pwrite_all(fd, memoryview(data), 0, self.root / key)
-            os.fsync(fd)
+            raise os_error(exc, final, "creating") from exc
         finally:
-            os.close(fd)
-        fsync_dir((self.root / key).parent)
-        return True
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
+            os.close(dfd)
 
     # -- reads -------------------------------------------------------------------------------
     def open(self, key: str, *, direct: bool = False) -> tuple[int, bool]:
