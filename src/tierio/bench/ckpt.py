@@ -22,7 +22,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -253,11 +252,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     size = parse_size(args.size)
     if args.repeat < 1:
         raise ConfigError("--repeat must be at least 1")
-    base = Path(args.dir).expanduser() if args.dir else None
-    if base is not None:
-        base.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="tierio-bench-ckpt-", dir=base))
-    log = (lambda m: print(f"bench ckpt: {m}", file=sys.stderr, flush=True))
+    work = common.work_dir(args.dir, "ckpt")
+    log = common.logger("ckpt")
     try:
         # The RSS child runs first, while this process holds nothing large.
         log("peak RSS of an async save (separate process)")

@@ -25,7 +25,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -235,10 +234,7 @@ def run_ranks(args: Any) -> dict[str, Any]:
         raise ConfigError("--ranks must be an even number of at least 2 (the resharding runs on half of them)")
     size = parse_size(args.size)
     layers = max(world, -(-size // (LAYER[0] * LAYER[1] * 4)))
-    base = Path(args.dir).expanduser() if args.dir else None
-    if base is not None:
-        base.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="tierio-bench-cluster-", dir=base))
+    work = common.work_dir(args.dir, "cluster")
     load = {"start": os.getloadavg()[0]}  # other work on the machine competes for its cores
     try:
         _log(f"fio O_DIRECT write, {world} jobs, {human_bytes(size)} in all, on {work}")
@@ -365,8 +361,7 @@ def run_commit_scale(args: Any) -> dict[str, Any]:
     counts = [int(x) for x in str(args.commit_scale).split(",") if x.strip()]
     if not counts or any(c < 1 for c in counts):
         raise ConfigError("--commit-scale takes rank counts, e.g. 1,64,1024")
-    base = Path(args.dir).expanduser() if args.dir else None
-    work = Path(tempfile.mkdtemp(prefix="tierio-bench-commit-", dir=base))
+    work = common.work_dir(args.dir, "commit")
     results: dict[str, Any] = {"benchmark": "ckpt-commit", "tensors_per_rank": args.commit_tensors, "directory": [], "s3": []}
     server = None
     try:

@@ -9,6 +9,8 @@ import json
 import os
 import shutil
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -23,6 +25,20 @@ T = TypeVar("T")
 
 class ToolMissing(TierioError):
     """A peer tool the benchmark compares against is not installed."""
+
+
+def work_dir(directory: str | None, name: str) -> Path:
+    """A new temporary directory for benchmark ``name`` under ``directory`` (created if needed;
+    the system's temporary directory when None): the caller removes it."""
+    base = Path(directory).expanduser() if directory else None
+    if base is not None:
+        base.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"tierio-bench-{name}-", dir=base))
+
+
+def logger(name: str) -> Callable[[str], None]:
+    """Progress lines on stderr (stdout carries the JSON)."""
+    return lambda m: print(f"bench {name}: {m}", file=sys.stderr, flush=True)
 
 
 def require_tool(name: str, install: str) -> str:

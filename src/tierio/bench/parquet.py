@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -81,11 +79,8 @@ def tierio_build(path: Path, out: Path, vocab_size: int | None) -> float:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.tokens < 10_000 or args.repeat < 1:
         raise ConfigError("--tokens must be at least 10,000 and --repeat at least 1")
-    base = Path(args.dir).expanduser() if args.dir else None
-    if base is not None:
-        base.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="tierio-bench-parquet-", dir=base))
-    log = (lambda m: print(f"bench parquet: {m}", file=sys.stderr, flush=True))
+    work = common.work_dir(args.dir, "parquet")
+    log = common.logger("parquet")
     try:
         corpus = work / "corpus.parquet"
         log(f"writing {args.tokens:,} tokens with pyarrow")
