@@ -13,7 +13,9 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from typing import Any
 from tierio.ckpt import CheckpointManager, CheckpointOptions, Tier
 from tierio.ckpt.retention import AnyOf, Retention
 from tierio.ckpt.tier import as_tier
-from tierio.errors import ConfigError, NotFoundError, TierioError
+from tierio.errors import ConfigError, NotFoundError, TierioError, UnstorableError
 from tierio.io.durable import write_json_atomic
 from tierio.io.untrusted import Fields, check_str, read_json_file
 
@@ -149,3 +151,102 @@ def local_target(path: str | os.PathLike[str], framework: str) -> Path:
 
 __all__ = ["Pointer", "Referenced", "check_manager_options", "local_target", "pointed_steps", "restore",
            "tier_urls", "unstorable_advice", "with_referenced"]
+
+
+class PublishingSaver:
+    """One manager behind a framework adapter: saves under increasing step numbers (after the
+    newest on the tiers), each followed, once durable, by ``publish(pointer)`` (a pointer file,
+    a checkpoint folder). A failed publish is raised at the next save or at :meth:`close`.
+
+    ``pointers_in(directory)`` lists the pointer files in a directory the framework saved to;
+    the steps they name are what retention keeps (with ``min_keep``)."""
+
+    def __init__(self, tiers: Sequence[str | Path | Tier], options: dict[str, Any], advice: str,
+                 pointers_in: Callable[[Path], Iterable[Path]]) -> None:
+        self.options = options
+        self.tiers = with_referenced(tiers, self.named)  # checks that tiers is a list of tiers
+        self.plain = list(tiers)
+        self.manager: CheckpointManager | None = None
+        self._advice = advice
+        self._pointers_in = pointers_in
+        self._next: int | None = None
+        self._published: list[Future] = []
+        self._dirs: set[Path] = set()
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def save(self, state: dict[str, Any], directory: Path, publish: Callable[[Pointer], None],
+             global_step: int | None = None, epoch: int | None = None) -> None:
+        """Stage ``state``; once it is durable, ``publish`` its pointer (``directory`` is where the
+        framework keeps its checkpoints: watched for the pointers retention must keep)."""
+        self.raise_error()
+        if self.manager is None:
+            self.manager = CheckpointManager(self.tiers, rank=0, world_size=1, **self.options)
+        if self._next is None:
+            self._next = (self.manager.latest() or 0) + 1
+        step = self._next
+        try:
+            handle = self.manager.save(step, state)
+        except UnstorableError as exc:
+            raise UnstorableError(f"{self._advice} {exc}", exc.key) from None
+        self._next = step + 1
+        pointer = Pointer(step, tier_urls(self.plain), global_step, epoch)
+        done: Future = Future()
+        self.watch(directory)
+        with self._lock:
+            self._published = [f for f in self._published if not f.done()] + [done]
+
+        def on_durable(persisted: Future) -> None:
+            # A failed persist publishes nothing (the manager raises that failure itself).
+            try:
+                if persisted.exception() is None:
+                    publish(pointer)
+            except BaseException as exc:  # noqa: BLE001 - raised at the next save or at close
+                log.error("could not publish checkpoint step %d in %s: %s", step, directory, exc)
+                with self._lock:
+                    self._error = self._error or exc
+            finally:
+                done.set_result(None)
+
+        handle.persisted.add_done_callback(on_durable)
+
+    def watch(self, directory: Path) -> None:
+        """Count the pointers in ``directory`` among those retention keeps."""
+        with self._lock:
+            self._dirs.add(directory.absolute())
+
+    def named(self) -> set[int]:
+        """Steps some pointer in the watched directories still names."""
+        with self._lock:
+            dirs = sorted(self._dirs)
+        return pointed_steps(p for d in dirs if d.is_dir() for p in self._pointers_in(d))
+
+    def wait_published(self) -> None:
+        """Wait until every save made so far is published (or its save failed)."""
+        with self._lock:
+            pending = list(self._published)
+        for f in pending:
+            f.exception()
+
+    def wait(self) -> None:
+        """Every save durable and published, every promotion done; raises a failure."""
+        if self.manager is not None:
+            self.manager.wait()
+        self.wait_published()
+        self.raise_error()
+
+    def close(self) -> None:
+        """Finish every save (write, publish, promotion) and close the manager; raises a failure."""
+        manager, self.manager = self.manager, None
+        try:
+            if manager is not None:
+                manager.close()
+            self.wait_published()
+        finally:
+            self.raise_error()
+
+    def raise_error(self) -> None:
+        with self._lock:
+            err, self._error = self._error, None
+        if err is not None:
+            raise err

@@ -28,20 +28,18 @@ import logging
 import os
 import shutil
 import threading
-from concurrent.futures import Future
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from tierio.ckpt import CheckpointManager, rng_state, set_rng_state
-from tierio.errors import ConfigError, UnstorableError
+from tierio.ckpt import rng_state, set_rng_state
+from tierio.errors import ConfigError
 from tierio.integrations.checkpoints import (
     Pointer,
+    PublishingSaver,
     check_manager_options,
-    pointed_steps,
     restore,
-    tier_urls,
     unstorable_advice,
-    with_referenced,
 )
 from tierio.io.durable import atomic_write, fsync_dir, temp_name
 
@@ -82,102 +80,41 @@ def publish_folder(folder: Path, pointer: Pointer, trainer_state: str) -> None:
         raise
 
 
-class TrainerCheckpoints:
+class TrainerCheckpoints(PublishingSaver):
     """The tierio side of a Trainer: one manager, the saves in flight, and restored state waiting
     to be applied (the Trainer loads model, optimizer and RNG at different moments)."""
 
     def __init__(self, tiers: Any, options: dict[str, Any]) -> None:
-        self.options = {"min_keep": 1, **check_manager_options(options)}  # the folders say what to keep
-        self.tiers = with_referenced(tiers, self.named)
-        self.plain = list(tiers)
-        self.manager: CheckpointManager | None = None
-        self.next: int | None = None
-        self.published: list[Future] = []
-        self.run_dirs: set[Path] = set()
-        self.error: BaseException | None = None
+        # the checkpoint-N folders say what to keep
+        super().__init__(tiers, {"min_keep": 1, **check_manager_options(options)}, ADVICE, _pointers_in)
         self.restored: dict[str, dict[str, Any]] = {}  # checkpoint folder -> parts not applied yet
-        self.lock = threading.Lock()
+        self._restored_lock = threading.Lock()
 
-    def save(self, state: dict[str, Any], folder: Path, pointer_info: dict[str, Any], trainer_state: str,
-             after: Any) -> None:
+    def save_folder(self, state: dict[str, Any], folder: Path, trainer_state: str, after: Callable[[], None],
+                    global_step: int | None, epoch: int | None) -> None:
         """Stage ``state``; once durable, publish ``folder`` and call ``after()`` (rotation)."""
-        self.raise_error()
-        if self.manager is None:
-            self.manager = CheckpointManager(self.tiers, rank=0, world_size=1, **self.options)
-        if self.next is None:
-            self.next = (self.manager.latest() or 0) + 1
-        step = self.next
-        try:
-            handle = self.manager.save(step, state)
-        except UnstorableError as exc:
-            raise UnstorableError(f"{ADVICE} {exc}", exc.key) from None
-        self.next = step + 1
-        pointer = Pointer(step, tier_urls(self.plain), **pointer_info)
-        done: Future = Future()
-        with self.lock:
-            self.run_dirs.add(folder.parent.absolute())
-            self.published = [f for f in self.published if not f.done()] + [done]
 
-        def publish(persisted: Future) -> None:
-            try:
-                if persisted.exception() is None:
-                    publish_folder(folder, pointer, trainer_state)
-                    after()
-            except BaseException as exc:  # noqa: BLE001 - raised at the next save or at the end
-                log.error("could not publish checkpoint folder %s: %s", folder, exc)
-                with self.lock:
-                    self.error = self.error or exc
-            finally:
-                done.set_result(None)
+        def publish(pointer: Pointer) -> None:
+            publish_folder(folder, pointer, trainer_state)
+            after()
 
-        handle.persisted.add_done_callback(publish)
+        self.save(state, folder.parent, publish, global_step, epoch)
 
     def load(self, folder: str) -> dict[str, Any]:
         """The restored parts of ``folder``'s checkpoint still to be applied (restored once)."""
         self.wait_published()
-        with self.lock:
+        with self._restored_lock:
             if folder in self.restored:
                 return self.restored[folder]
-            self.run_dirs.add(Path(folder).parent.absolute())
+        self.watch(Path(folder).parent)
         state = restore(self.tiers, Pointer.read(Path(folder) / POINTER_NAME), folder, rank=0, world_size=1)
-        with self.lock:
+        with self._restored_lock:
             self.restored = {folder: state}  # older restores are done with
         return state
 
-    def wait(self) -> None:
-        """Every save durable, its folder published, every promotion done; raises a failure."""
-        if self.manager is not None:
-            self.manager.wait()
-        self.wait_published()
-        self.raise_error()
 
-    def close(self) -> None:
-        manager, self.manager = self.manager, None
-        try:
-            if manager is not None:
-                manager.close()
-            self.wait_published()
-        finally:
-            self.raise_error()
-
-    def wait_published(self) -> None:
-        with self.lock:
-            pending = list(self.published)
-        for f in pending:
-            f.exception()
-
-    def named(self) -> set[int]:
-        """Steps some ``checkpoint-N/tierio.json`` in the run directories still names."""
-        with self.lock:
-            dirs = sorted(self.run_dirs)
-        return pointed_steps(p / POINTER_NAME for d in dirs if d.is_dir()
-                             for p in d.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if p.is_dir())
-
-    def raise_error(self) -> None:
-        with self.lock:
-            err, self.error = self.error, None
-        if err is not None:
-            raise err
+def _pointers_in(run_dir: Path) -> Iterable[Path]:
+    return (p / POINTER_NAME for p in run_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if p.is_dir())
 
 
 class TierioCheckpointsMixin:
@@ -217,9 +154,9 @@ class TierioCheckpointsMixin:
             else:
                 t.state.stateful_callbacks[name] = cb.state()
         trainer_state = json.dumps(dataclasses.asdict(t.state), indent=2, sort_keys=True) + "\n"
-        info = {"global_step": t.state.global_step, "epoch": int(t.state.epoch) if t.state.epoch is not None else None}
-        self.tierio.save(self._tierio_state(trainer_state), folder, info, trainer_state,
-                         after=lambda: self._tierio_rotate(run_dir))
+        epoch = int(t.state.epoch) if t.state.epoch is not None else None
+        self.tierio.save_folder(self._tierio_state(trainer_state), folder, trainer_state,
+                                lambda: self._tierio_rotate(run_dir), t.state.global_step, epoch)
 
     def _tierio_state(self, trainer_state: str) -> dict[str, Any]:
         t: Any = self

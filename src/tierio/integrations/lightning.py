@@ -26,22 +26,19 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-from concurrent.futures import Future
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from tierio.ckpt import CheckpointManager
-from tierio.errors import StorageError, UnstorableError
+from tierio.errors import StorageError
 from tierio.integrations.checkpoints import (
     Pointer,
+    PublishingSaver,
     check_manager_options,
     local_target,
-    pointed_steps,
     restore,
-    tier_urls,
     unstorable_advice,
-    with_referenced,
 )
 
 try:
@@ -69,46 +66,24 @@ class TierioCheckpointIO(CheckpointIO):
 
     def __init__(self, tiers: Any, **manager_options: Any) -> None:
         super().__init__()
-        self._options = {"double_buffer": True, "min_keep": 1, **check_manager_options(manager_options)}
-        self._tiers = with_referenced(tiers, self._named)  # checks that tiers is a list of tiers
-        self._plain = list(tiers)
-        self._manager: CheckpointManager | None = None
-        self._next: int | None = None
-        self._published: list[Future] = []
-        self._dirs: set[Path] = set()
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
+        options = {"double_buffer": True, "min_keep": 1, **check_manager_options(manager_options)}
+        self._saver = PublishingSaver(tiers, options, ADVICE, _pointers_in)
 
     # -- CheckpointIO ---------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options; configure the tiers instead")
         target = local_target(path, "Lightning")
-        self._raise_error()
-        manager = self._open()
-        if self._next is None:
-            self._next = (manager.latest() or 0) + 1
-        step = self._next
-        try:
-            handle = manager.save(step, checkpoint)
-        except UnstorableError as exc:
-            raise UnstorableError(f"{ADVICE} {exc}", exc.key) from None
-        self._next = step + 1
-        pointer = Pointer(step, tier_urls(self._plain), _int(checkpoint.get("global_step")), _int(checkpoint.get("epoch")))
-        published: Future = Future()
-        with self._lock:
-            self._dirs.add(target.parent.absolute())
-            self._published = [f for f in self._published if not f.done()] + [published]
-        handle.persisted.add_done_callback(lambda done: self._publish(done, target, pointer, published))
+        self._saver.save(checkpoint, target.parent, lambda pointer: pointer.write(target),
+                         _int(checkpoint.get("global_step")), _int(checkpoint.get("epoch")))
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:
         """The checkpoint a ``.ckpt`` pointer names (tensors on the CPU; Lightning moves them)."""
         self.wait_published()
         target = local_target(path, "Lightning")
         pointer = Pointer.read(target)
-        with self._lock:
-            self._dirs.add(target.parent.absolute())
-        return restore(self._tiers, pointer, str(target), rank=0, world_size=1)
+        self._saver.watch(target.parent)
+        return restore(self._saver.tiers, pointer, str(target), rank=0, world_size=1)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the pointer; its checkpoint goes with the next retention pass (after a commit)."""
@@ -122,57 +97,21 @@ class TierioCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         """Wait for every save (write, pointer, promotion) and close the manager; raises a failure."""
-        manager, self._manager = self._manager, None
-        try:
-            if manager is not None:
-                manager.close()
-            self.wait_published()
-        finally:
-            self._raise_error()
+        self._saver.close()
 
     # -- public helpers -------------------------------------------------------------------------
     def wait_published(self) -> None:
         """Wait until the pointer of every save made so far is written (or its save failed)."""
-        with self._lock:
-            pending = list(self._published)
-        for f in pending:
-            f.exception()
+        self._saver.wait_published()
 
     @property
     def manager(self) -> CheckpointManager | None:
         """The manager saving now (None before the first save and after teardown)."""
-        return self._manager
+        return self._saver.manager
 
-    # -- internals ------------------------------------------------------------------------------
-    def _open(self) -> CheckpointManager:
-        if self._manager is None:
-            self._manager = CheckpointManager(self._tiers, rank=0, world_size=1, **self._options)
-        return self._manager
 
-    def _publish(self, persisted: Future, target: Path, pointer: Pointer, published: Future) -> None:
-        """Runs when the step is durable: write its pointer. A failed persist leaves no pointer
-        (the manager raises that failure at the next save or at teardown)."""
-        try:
-            if persisted.exception() is None:
-                pointer.write(target)
-        except BaseException as exc:  # noqa: BLE001 - raised at the next save or teardown
-            log.error("could not write the checkpoint pointer %s: %s", target, exc)
-            with self._lock:
-                self._error = self._error or exc
-        finally:
-            published.set_result(None)
-
-    def _named(self) -> set[int]:
-        """Steps some ``.ckpt`` pointer in the directories this plugin saved to still names."""
-        with self._lock:
-            dirs = sorted(self._dirs)
-        return pointed_steps(p for d in dirs if d.is_dir() for p in d.iterdir() if p.suffix == ".ckpt")
-
-    def _raise_error(self) -> None:
-        with self._lock:
-            err, self._error = self._error, None
-        if err is not None:
-            raise err
+def _pointers_in(directory: Path) -> Iterable[Path]:
+    return (p for p in directory.iterdir() if p.suffix == ".ckpt")
 
 
 def _int(v: Any) -> int | None:
