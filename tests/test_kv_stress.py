@@ -16,17 +16,17 @@ import torch  # noqa: F401 - the I/O bounce pool's first buffer asks torch wheth
 
 from kv_helpers import assert_clean
 from tierio.bench.common import rss_bytes
-from tierio.kv import BlockLayout, KVCache, KVConfig, Namespace
+from tierio.kv import BlockLayout, KVCache, KVConfig, Namespace, Tier
 
 LAYOUT = BlockLayout(layers=1, kv_heads=1, head_dim=8, dtype="float16", tokens=4)  # 128-byte blocks, 4 KiB slots
 THREADS = 8
 
 
-def _cache(tmp_path, dram_blocks: int = 12) -> KVCache:
+def _cache(tmp_path, dram_blocks: int = 12, device_blocks: int = 0) -> KVCache:
     slot = 4096
     return KVCache(LAYOUT, Namespace("stress"), KVConfig(
         dram_bytes=dram_blocks * slot, nvme_dir=tmp_path, nvme_bytes=40 * slot, slab_bytes=8 * slot, admit_uses=2,
-        io_timeout_s=10.0))
+        io_timeout_s=10.0, device_bytes=device_blocks * slot, device="cpu"))
 
 
 @functools.cache
@@ -59,7 +59,7 @@ class Worker:
         elif op < 0.75:
             c.lookup(keys)
         elif op < 0.85:
-            c.prefetch(keys, deadline_s=1.0).result()
+            c.prefetch(keys, deadline_s=1.0, into=self.rng.choice((Tier.DRAM, Tier.DEVICE))).result()
         elif op < 0.93:
             with c.lease(keys) as n:
                 got = c.get(keys[:n], self.out[:n * LAYOUT.block_bytes]).result().blocks
@@ -118,6 +118,25 @@ def test_eight_threads_keep_every_invariant(small_tmpfs):
     st = c.stats()
     assert all(t.used <= t.slots for t in st.tiers)
     assert st.counters.written_down > 0 and st.counters.served > 0 and st.counters.prefetched > 0
+    assert_clean(c)
+    c.close()
+
+
+def test_eight_threads_with_a_device_tier_keep_every_invariant(small_tmpfs):
+    # the device tier ("cpu" standing in for accelerator memory) above a DRAM tier it writes down to
+    c = _cache(small_tmpfs, dram_blocks=10, device_blocks=6)
+    seen: list[str] = []
+
+    def watch():
+        seen.extend(c.check())
+
+    workers = _run(c, seconds=3.0, max_ops=10**9, watch=watch)
+    assert seen == []
+    assert [e for w in workers for e in w.errors] == []
+    st = c.stats()
+    assert [t.tier for t in st.tiers] == [Tier.DEVICE, Tier.DRAM, Tier.NVME]
+    assert all(t.used <= t.slots for t in st.tiers)
+    assert st.counters.demoted > 0 and st.counters.served_device > 0 and st.counters.written_down > 0
     assert_clean(c)
     c.close()
 

@@ -265,3 +265,17 @@ def test_kv_cache_gets_report_blocks_served_per_tier(tmp_path: Path, exporter) -
     assert one(s, "tierio_kv_blocks_missed_total") == 2
     assert one(s, "tierio_kv_hit_ratio", tier="dram") == pytest.approx(4 / 8)
     assert one(s, "tierio_kv_hit_ratio", tier="nvme") == pytest.approx(2 / 8)
+
+
+def test_kv_blocks_served_by_the_device_tier_are_counted_as_device(tmp_path: Path, exporter) -> None:
+    from kv_helpers import LAYOUT, cache, put_chain, read_back, tokens
+    from tierio.kv import Tier
+
+    with cache(tmp_path, dram_blocks=16, device_bytes=8 * LAYOUT.block_bytes, device="cpu") as c:  # a CPU tensor stands in for HBM
+        keys = c.hash_blocks(tokens(3))
+        put_chain(c, keys)
+        assert read_back(c, keys)[1] == [Tier.DEVICE] * 3
+    s = scrape(exporter.port)
+    assert one(s, "tierio_kv_blocks_served_total", tier="device") == 3
+    assert one(s, "tierio_kv_blocks_served_total", tier="dram") == 0
+    assert one(s, "tierio_kv_hit_ratio", tier="device") == pytest.approx(1.0)

@@ -126,10 +126,11 @@ class KvGet:
     dram: int
     nvme: int
     shared: int
+    device: int = 0  # the optional accelerator tier above DRAM
 
     @property
     def missed(self) -> int:
-        return self.blocks - self.dram - self.nvme - self.shared
+        return self.blocks - self.device - self.dram - self.nvme - self.shared
 
 
 Event = Union[

@@ -18,6 +18,10 @@ peer and each keeps its best.
   and from NVMe in a freshly opened cache (DRAM empty, as after a restart; page cache dropped).
   The model is sized so the prefill takes over a second on a small CPU; ``recompute_ttft_s`` says
   what it took here.
+* ``device_get_vs_memcpy`` (only where CUDA is available; otherwise ``"device"`` says why it was
+  skipped): a batched get of ``--device-size`` (default 1 GiB) of blocks from the device tier into a
+  CUDA tensor, against one device-to-device ``copy_`` of the same bytes into the same tensor. It has
+  no target: it tells what the tier's per-block copies cost on this GPU.
 * ``lookup_keys_per_s``: keys resolved per second by ``lookup`` of 1,000-block chains.
 * ``miss_overhead``: tokens per second of the greedy reference loop (prefill, then decode) with
   tierio at a 0% hit rate (every prompt new: hashed, looked up, its blocks stored) ÷ without;
@@ -55,6 +59,8 @@ IO_LAYOUT = {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bfloat16"}
 def add_arguments(p) -> None:
     p.add_argument("--dram-size", default="1GiB", help="bytes of blocks for the DRAM get (default 1GiB)")
     p.add_argument("--nvme-size", default="2GiB", help="bytes of blocks for the NVMe put and get (default 2GiB)")
+    p.add_argument("--device-size", default="1GiB",
+                   help="bytes of blocks for the device-tier get, where CUDA is available (default 1GiB)")
     p.add_argument("--block-tokens", type=int, default=256, help="tokens per block (default 256)")
     p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir under /tmp)")
     p.add_argument("--repeat", type=int, default=2, help="interleaved rounds, each method keeps its best (default 2)")
@@ -150,6 +156,51 @@ def bench_nvme(size: int, layout: BlockLayout, work: Path, rounds: int) -> dict:
             "all_put_bytes_per_s": puts, "all_get_bytes_per_s": gets, "all_fio_write_bytes_per_s": fio_w,
             "all_fio_read_bytes_per_s": fio_r, "integrity_errors": st.counters.integrity_errors,
             "fetch_latency_s": st.fetch_latency_s}
+
+
+# -- the device tier ---------------------------------------------------------------------------------
+def device_unavailable() -> str | None:
+    """Why the device tier cannot be measured here, or None when it can."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    return None if torch.cuda.is_available() else "CUDA is not available: there is no device tier to measure"
+
+
+def bench_device(size: int, layout: BlockLayout, rounds: int) -> dict:
+    import torch
+
+    n = max(1, size // layout.block_bytes)
+    nbytes = n * layout.block_bytes
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    cfg = KVConfig(dram_bytes=2 * layout.block_bytes, device_bytes=(n + 1) * layout.block_bytes)
+    with KVCache(layout, Namespace("bench-kv"), cfg) as cache:
+        keys = _chain(cache, n, 4)
+        stored = cache.put(keys, src).result()
+        assert stored.stored == n and cache.lookup(keys).tiers == [Tier.DEVICE] * n, stored
+        gets, copies = [], []
+
+        def copy() -> None:
+            dst.copy_(src)
+            torch.cuda.synchronize()
+
+        for _ in range(max(1, rounds) + 1):  # the first round warms up: dropped
+            res, t = _timed(lambda: cache.get(keys, dst).result())
+            assert res.blocks == n and res.tiers == [Tier.DEVICE] * n, res
+            gets.append(t)
+            _, t = _timed(copy)
+            copies.append(t)
+        dst.zero_()
+        cache.get(keys, dst).result()
+        if not torch.equal(dst, src):
+            raise AssertionError("the device get delivered other bytes than were put")
+        device = cache.stats().device
+    get_s, copy_s = min(gets[1:]), min(copies[1:])
+    return {"device": device, "bytes": nbytes, "blocks": n, "get_seconds": get_s, "memcpy_seconds": copy_s,
+            "get_bytes_per_s": nbytes / get_s, "memcpy_bytes_per_s": nbytes / copy_s,
+            "all_get_seconds": gets[1:], "all_memcpy_seconds": copies[1:]}
 
 
 # -- lookups -----------------------------------------------------------------------------------------
@@ -284,6 +335,12 @@ def run(args) -> dict:
             "nvme_get_vs_fio_read": nvme["get_bytes_per_s"] / nvme["fio_read_bytes_per_s"],
             "nvme_put_vs_fio_write": nvme["put_bytes_per_s"] / nvme["fio_write_bytes_per_s"],
         }
+        skipped = device_unavailable()
+        if skipped is None:
+            res["device"] = device = bench_device(parse_size(args.device_size), layout, args.repeat)
+            ratios["device_get_vs_memcpy"] = device["memcpy_seconds"] / device["get_seconds"]
+        else:
+            res["device"] = {"skipped": skipped}
         if not args.no_model:
             res["model"] = m = bench_model(args, work)
             ratios["ttft_dram_hit_vs_recompute"] = m["recompute_ttft_s"] / m["dram_hit_ttft_s"]

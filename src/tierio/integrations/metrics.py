@@ -262,7 +262,7 @@ class Exporter:
 
     def _on_kv(self, ev: events.KvGet) -> None:
         s = self._series
-        served = {"dram": ev.dram, "nvme": ev.nvme, "shared": ev.shared}
+        served = {"device": ev.device, "dram": ev.dram, "nvme": ev.nvme, "shared": ev.shared}
         with self._lock:
             for tier, n in served.items():
                 self._kv[tier] = self._kv.get(tier, 0) + n

@@ -27,6 +27,12 @@ class Watermarks:
 class KVConfig:
     """Budgets are bytes. A tier whose budget holds no whole block is left out.
 
+    ``device_bytes``/``device``: an optional pool in accelerator memory above DRAM (0, the
+    default: none; the engine's own KV memory stays the engine's). ``device`` names a torch device:
+    None takes the current CUDA device, and where CUDA is absent the tier is left out with one
+    warning; a named device that is not there (``"cuda:1"`` on a one-GPU machine, any CUDA device
+    without CUDA) is a ``ConfigError``; ``"cpu"`` makes the pool a host tensor standing in for
+    device memory (for tests: the same routing, eviction and bookkeeping).
     ``nvme_dir``/``nvme_bytes``: the local NVMe tier (preallocated slab files under that directory).
     ``shared_url``: optional tierio store URL (a shared-filesystem directory or ``s3://``) holding
     blocks for other nodes. ``admit_uses``: a block leaving DRAM is written to NVMe only once it has
@@ -46,12 +52,17 @@ class KVConfig:
     io_timeout_s: float = 30.0
     persist_on_close: bool = True
     fetch_latency_s: float = 200e-6
+    device_bytes: int = 0
+    device: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("dram_bytes", "nvme_bytes"):
+        for name in ("dram_bytes", "nvme_bytes", "device_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ConfigError(f"KV cache: {name} must be a byte count >= 0, got {v!r}")
+        if self.device is not None and (not isinstance(self.device, str) or not self.device):
+            raise ConfigError(f"KV cache: device must name a torch device (\"cuda:0\", \"cpu\") or be None, "
+                              f"got {self.device!r}")
         if self.nvme_bytes and self.nvme_dir is None:
             raise ConfigError("KV cache: nvme_bytes is set but nvme_dir is not; name the directory of the NVMe tier")
         if self.admit_uses < 1 or self.depth < 1 or self.piece_bytes < 4096 or self.slab_bytes < 4096:

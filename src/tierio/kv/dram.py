@@ -1,11 +1,8 @@
-"""The host-DRAM tier: one preallocated pool of fixed slots.
+"""The host-DRAM tier: a slot pool in one preallocated host buffer.
 
 The whole budget is one HostBuffer, faulted in once (and page-locked where CUDA exists, so copies
-to the accelerator run asynchronously), cut into slots of the block size rounded up to 4 KiB. A
-block never allocates: it takes a free slot, and the slot's address is aligned, so the NVMe tier
-writes it and reads into it with O_DIRECT, straight from and to the slot.
-
-Slot bookkeeping (which slots are free) is plain data changed only under the router's lock.
+to the accelerator run asynchronously). Slot addresses are aligned, so the NVMe tier writes a slot
+and reads into it with O_DIRECT, straight from and to the pool.
 """
 
 from __future__ import annotations
@@ -14,7 +11,8 @@ import sys
 
 import numpy as np
 
-from tierio.io.buffers import ALIGN, HostBuffer, align_up
+from tierio.io.buffers import HostBuffer
+from tierio.kv.slots import SlotPool
 from tierio.kv.stats import Tier
 
 
@@ -26,41 +24,16 @@ def _cuda_in_use() -> bool:
     return bool(torch is not None and torch.cuda.is_available())
 
 
-class DramTier:
+class DramTier(SlotPool):
     kind = Tier.DRAM
 
     def __init__(self, nslots: int, block_bytes: int) -> None:
-        self.block_bytes = block_bytes
-        self.slot_bytes = align_up(block_bytes, ALIGN)
-        self.nslots = nslots
-        self.buffer = HostBuffer(nslots * self.slot_bytes, pin=_cuda_in_use())
-        self._free = list(range(nslots - 1, -1, -1))  # pop() hands out low slots first
-
-    @classmethod
-    def slots_for(cls, budget: int, block_bytes: int) -> int:
-        return budget // align_up(block_bytes, ALIGN)
-
-    @property
-    def used(self) -> int:
-        return self.nslots - len(self._free)
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
-    def alloc(self) -> int | None:
-        return self._free.pop() if self._free else None
-
-    def release(self, slot: int) -> None:
-        self._free.append(slot)
-
-    def free_list(self) -> list[int]:
-        return list(self._free)
+        super().__init__(nslots, block_bytes)
+        self.buffer = HostBuffer(self.region_bytes, pin=_cuda_in_use())
 
     def block(self, slot: int) -> np.ndarray:
-        """The block bytes of ``slot`` (a uint8 view into the pool)."""
-        start = slot * self.slot_bytes
-        return self.buffer.array[start:start + self.block_bytes]
+        start, end = self.span(slot)
+        return self.buffer.array[start:end]
 
     def slot_view(self, slot: int) -> memoryview:
         """The whole aligned slot (block bytes and padding): what O_DIRECT writes and reads."""

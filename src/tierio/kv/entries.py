@@ -1,14 +1,14 @@
 """The router's bookkeeping: which blocks exist, where their copies are, who is using them.
 
 Everything here is plain data, changed only under the router's lock, and no I/O happens while it
-is held. A block (an ``Entry``) has at most one copy per local tier; a ``Copy`` names its slot and
-its state:
+is held. A block (an ``Entry``) has at most one copy per local tier (device, DRAM, NVMe); a
+``Copy`` names its slot and its state:
 
 * ``FILLING``: the slot is taken and bytes are arriving; nobody reads it (a reader waits on
   ``filled``, with a deadline; the first reader to wait creates it);
 * ``READY``: readable;
-* ``LEAVING``: readable while it is written to the tier below; its slot is freed once the write is
-  done and its last reader has finished.
+* ``LEAVING``: readable while it is written to the tier below (device to DRAM, DRAM to NVMe); its
+  slot is freed once the write is done and its last reader has finished.
 
 A slot is in exactly one place: its tier's free list, or one copy. ``readers`` counts transfers
 reading a copy right now and ``pins`` counts leases on the block: neither kind is ever evicted.
@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from tierio.kv.stats import Tier
 
 SCAN_LIMIT = 1024  # candidates looked at per eviction before settling for a fallback
+LOCAL_TIERS = (Tier.DEVICE, Tier.DRAM, Tier.NVME)  # the tiers with slots, fastest first
+MEMORY_TIERS = (Tier.DEVICE, Tier.DRAM)            # slot pools in memory: filled by puts and prefetches
 
 
 class State(enum.IntEnum):
@@ -56,6 +58,7 @@ class Copy:
 class Entry:
     key: bytes
     parent: bytes
+    device: Copy | None = None
     dram: Copy | None = None
     nvme: Copy | None = None
     checksum: int | None = None  # xxh3-64 of the block, once it has been computed (written down or read back)
@@ -65,17 +68,38 @@ class Entry:
     where: Tier | None = None    # the fastest tier holding a copy (what lookup reports)
 
     def copy(self, tier: Tier) -> Copy | None:
-        return self.dram if tier is Tier.DRAM else self.nvme
-
-    def fastest_readable(self) -> Copy | None:
-        if self.dram is not None and self.dram.readable:
+        if tier is Tier.DRAM:
             return self.dram
-        if self.nvme is not None and self.nvme.readable:
+        if tier is Tier.NVME:
             return self.nvme
+        return self.device if tier is Tier.DEVICE else None
+
+    def set_copy(self, tier: Tier, c: Copy | None) -> None:
+        if tier is Tier.DRAM:
+            self.dram = c
+        elif tier is Tier.NVME:
+            self.nvme = c
+        else:
+            self.device = c
+
+    def fastest_readable(self, order: tuple[Tier, ...] = LOCAL_TIERS) -> Copy | None:
+        """The first readable copy in ``order``."""
+        for tier in order:
+            c = self.copy(tier)
+            if c is not None and c.readable:
+                return c
+        return None
+
+    def filling(self) -> Copy | None:
+        """A copy in a memory tier whose bytes are still arriving (what a reader can wait for)."""
+        for tier in MEMORY_TIERS:
+            c = self.copy(tier)
+            if c is not None and c.state is State.FILLING:
+                return c
         return None
 
     def has_copies(self) -> bool:
-        return self.dram is not None or self.nvme is not None
+        return self.device is not None or self.dram is not None or self.nvme is not None
 
 
 class Directory:
@@ -84,7 +108,7 @@ class Directory:
 
     def __init__(self, ghost_limit: int) -> None:
         self.entries: dict[bytes, Entry] = {}
-        self.lru: dict[Tier, OrderedDict[bytes, Entry]] = {Tier.DRAM: OrderedDict(), Tier.NVME: OrderedDict()}
+        self.lru: dict[Tier, OrderedDict[bytes, Entry]] = {t: OrderedDict() for t in LOCAL_TIERS}
         self.ghost: OrderedDict[bytes, int] = OrderedDict()
         self.ghost_limit = ghost_limit
 
@@ -113,10 +137,7 @@ class Directory:
 
     # -- copies ---------------------------------------------------------------------------------
     def attach(self, e: Entry, c: Copy) -> None:
-        if c.tier is Tier.DRAM:
-            e.dram = c
-        else:
-            e.nvme = c
+        e.set_copy(c.tier, c)
         self.lru[c.tier][e.key] = e
         self._where(e)
 
@@ -124,22 +145,19 @@ class Directory:
         c = e.copy(tier)
         if c is None:
             return None
-        if tier is Tier.DRAM:
-            e.dram = None
-        else:
-            e.nvme = None
+        e.set_copy(tier, None)
         self.lru[tier].pop(e.key, None)
         self._where(e)
         return c
 
     @staticmethod
     def _where(e: Entry) -> None:
-        e.where = Tier.DRAM if e.dram is not None else Tier.NVME if e.nvme is not None else None
+        e.where = next((t for t in LOCAL_TIERS if e.copy(t) is not None), None)
 
     def touch(self, chain: Iterable[Entry]) -> None:
         """Mark a chain used, tail first, so its head ends up the most recently used."""
         for e in reversed(list(chain)):
-            for tier in (Tier.DRAM, Tier.NVME):
+            for tier in LOCAL_TIERS:
                 if e.copy(tier) is not None:
                     self.lru[tier].move_to_end(e.key)
 
@@ -180,7 +198,7 @@ class Directory:
                 out.append(f"{key.hex()}: negative pins")
             if not e.has_copies() and not e.pins:
                 out.append(f"{key.hex()}: no copy and no pin, still listed")
-            for tier in (Tier.DRAM, Tier.NVME):
+            for tier in LOCAL_TIERS:
                 c = e.copy(tier)
                 if c is None:
                     if key in self.lru[tier]:
@@ -209,4 +227,4 @@ class Directory:
         return out
 
 
-__all__ = ["Copy", "Directory", "Entry", "State"]
+__all__ = ["LOCAL_TIERS", "MEMORY_TIERS", "Copy", "Directory", "Entry", "State"]

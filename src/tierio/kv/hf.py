@@ -199,6 +199,14 @@ class PrefixCache:
     def layout(self) -> BlockLayout:
         return self.kv.layout
 
+    def _staging(self, device: torch.device) -> torch.device:
+        """Where blocks are gathered on their way to and from the cache: on the model's device when
+        the cache has a device tier there (copies stay device-to-device), else in host memory."""
+        tier = self.kv.device
+        if tier is not None and tier.device.type == device.type and tier.device.type != "cpu":
+            return device
+        return torch.device("cpu")
+
     def _load(self, keys: list[bytes], device: torch.device) -> tuple[Any, int]:
         """A DynamicCache of the longest cached prefix of ``keys`` and its length in blocks."""
         found = self.kv.lookup(keys, self.sla).blocks
@@ -206,7 +214,8 @@ class PrefixCache:
             return new_cache([]), 0
         lay = self.layout
         with self.kv.lease(keys[:found]) as leased:
-            staging = torch.empty((leased, *lay.shape), dtype=next(self.model.parameters()).dtype)
+            staging = torch.empty((leased, *lay.shape), dtype=next(self.model.parameters()).dtype,
+                                  device=self._staging(device))
             got = self.kv.get(keys[:leased], staging).result().blocks if leased else 0
         if not got:
             return new_cache([]), 0
@@ -227,7 +236,7 @@ class PrefixCache:
             return 0
         lay = self.layout
         layers = cache_layers(cache)
-        blocks = torch.empty((n, *lay.shape), dtype=layers[0][0].dtype)
+        blocks = torch.empty((n, *lay.shape), dtype=layers[0][0].dtype, device=self._staging(layers[0][0].device))
         lo, hi = start * lay.tokens, len(keys) * lay.tokens
         for layer, (k, v) in enumerate(layers):
             for i, t in ((0, k), (1, v)):

@@ -5,7 +5,14 @@ holding ``ledger.lock``, to take or give back slots, readers and pins. Keeping e
 here, and nothing else, is what lets ``problems`` state the invariants the router relies on:
 each slot of a tier is free, in hand (taken by a thread about to attach it), in limbo (its copy
 was dropped while still being read) or held by exactly one copy; a LEAVING copy is counted in
-``leaving`` and has its write-down queued in ``writes`` or running on some thread.
+``leaving`` of its tier and has its write-down queued in that tier's ``writes`` or running on
+some thread.
+
+The memory tiers (``pools``: the optional device pool, DRAM) are kept alike: puts and prefetches
+fill their slots, and their least recently used blocks are written down to the tier below, the
+device tier's into DRAM and DRAM's to NVMe and the shared store. Each tier has its own queue of
+write-downs, so finishing a device block's write-down (which needs a DRAM slot, and may run a
+DRAM write-down for it) never waits on the device tier's own queue.
 """
 
 from __future__ import annotations
@@ -16,49 +23,57 @@ from dataclasses import dataclass
 
 from tierio.io.engine import Request
 from tierio.kv.config import KVConfig
-from tierio.kv.dram import DramTier
-from tierio.kv.entries import Copy, Directory, Entry, State
+from tierio.kv.entries import LOCAL_TIERS, MEMORY_TIERS, Copy, Directory, Entry, State
 from tierio.kv.slab import SlabTier
 from tierio.kv.slabindex import SlotRecord
+from tierio.kv.slots import FreeSlots, SlotPool
 from tierio.kv.stats import Counters, Tier
 
 
 @dataclass(eq=False)
 class WriteDown:
-    """One block going from its DRAM copy to the NVMe tier and/or the shared store."""
+    """One block going from its copy in a memory tier (``src``) to the tier below: from DRAM to
+    the NVMe tier and/or the shared store, or from the device tier into DRAM."""
 
     entry: Entry
-    src: Copy             # the DRAM copy (LEAVING when it is being evicted)
-    dst: Copy | None      # the NVMe copy being filled; None when only the shared store is written
-    evict: bool           # free the DRAM copy once written
-    upload: bool          # also write the block to the shared store
+    src: Copy             # the copy written down (LEAVING when it is being evicted)
+    dst: Copy | None      # the copy being filled below; None when only the shared store is written, or
+                          # (device) until the write-down has found a DRAM slot
+    evict: bool           # free the source copy once written
+    upload: bool = False  # also write the block to the shared store (from DRAM)
 
 
 class Ledger:
     """Bookkeeping of one cache. Every method expects ``lock`` to be held by the caller."""
 
-    def __init__(self, config: KVConfig, dram: DramTier | None, counters: Counters) -> None:
+    def __init__(self, config: KVConfig, pools: dict[Tier, SlotPool], counters: Counters) -> None:
         self.config = config
         self.lock = threading.Lock()
-        self.space = threading.Condition(self.lock)  # notified whenever a DRAM slot is freed
-        self.dram = dram
+        self.space = threading.Condition(self.lock)  # notified whenever a memory slot is freed
+        self.pools = pools                           # the memory tiers present: DEVICE, DRAM
+        self.dram = pools.get(Tier.DRAM)
         self.nvme: SlabTier | None = None
         self.shared = False                          # a shared store is configured
         self.counters = counters
-        self.dir = Directory(ghost_limit=4 * (dram.nslots if dram else 0) + 1024)
-        self.writes: deque[Request[None]] = deque()  # background write-downs not yet reaped
-        self.writing = 0                             # write-downs started and not finished
-        self.leaving = 0                             # DRAM copies in state LEAVING
-        self.limbo: dict[Tier, set[int]] = {Tier.DRAM: set(), Tier.NVME: set()}
-        self.in_hand: set[int] = set()               # DRAM slots taken, not yet attached to a copy
+        self.dir = Directory(ghost_limit=4 * sum(p.nslots for p in pools.values()) + 1024)
+        self.writes: dict[Tier, deque[Request[None]]] = {t: deque() for t in MEMORY_TIERS}  # not yet reaped
+        self.writing = dict.fromkeys(MEMORY_TIERS, 0)  # write-downs started and not finished
+        self.leaving = dict.fromkeys(MEMORY_TIERS, 0)  # copies in state LEAVING
+        self.limbo: dict[Tier, set[int]] = {t: set() for t in LOCAL_TIERS}
+        self.in_hand: dict[Tier, set[int]] = {t: set() for t in MEMORY_TIERS}  # taken, not yet attached
 
     # -- what goes where --------------------------------------------------------------------------
     def admitted(self, e: Entry) -> bool:
         """May ``e`` be written below DRAM (used often enough, and a tier there)?"""
         return e.uses >= self.config.admit_uses and (self.nvme is not None or self.shared)
 
-    def loses_dram(self, e: Entry) -> bool:
-        return e.nvme is None and not self.admitted(e)
+    def loses(self, tier: Tier):
+        """``loses(tier)(e)``: evicting ``e``'s copy in ``tier`` drops the block from the cache."""
+        if tier is Tier.DEVICE:  # written down into DRAM, unless there is none
+            return lambda e: self.dram is None and e.dram is None and e.nvme is None
+        if tier is Tier.DRAM:
+            return lambda e: e.device is None and e.nvme is None and not self.admitted(e)
+        return lambda e: e.device is None and e.dram is None
 
     def recover(self, records: list[SlotRecord]) -> None:
         """Enter blocks a previous process committed to the NVMe tier, oldest first (LRU order survives)."""
@@ -74,47 +89,48 @@ class Ledger:
                 p.children += 1
 
     # -- slots ----------------------------------------------------------------------------------
-    def take_dram_slot(self) -> int | None:
-        assert self.dram is not None
-        slot = self.dram.alloc()
+    def _slots(self, tier: Tier) -> FreeSlots:
+        pool = self.nvme if tier is Tier.NVME else self.pools.get(tier)
+        assert pool is not None, tier
+        return pool
+
+    def take_slot(self, tier: Tier) -> int | None:
+        """A free slot of memory tier ``tier``, in hand until its taker attaches or releases it."""
+        slot = self._slots(tier).alloc()
         if slot is not None:
-            self.in_hand.add(slot)  # until the taker attaches or releases it
+            self.in_hand[tier].add(slot)
         return slot
 
-    def claim(self, slot: int) -> None:
-        """The taker of ``slot`` is attaching or releasing it now."""
-        self.in_hand.discard(slot)
-
     def release(self, tier: Tier, slot: int) -> None:
-        if tier is Tier.DRAM:
-            assert self.dram is not None
-            self.dram.release(slot)
+        self._slots(tier).release(slot)
+        if tier in self.pools:
             self.space.notify_all()
-        else:
-            assert self.nvme is not None
-            self.nvme.release(slot)
 
     def nvme_slot(self, protect: frozenset[bytes]) -> int | None:
         assert self.nvme is not None
         slot = self.nvme.alloc()
         if slot is None:
-            victim = self.dir.victim(Tier.NVME, lambda e: e.dram is None, protect)
+            victim = self.dir.victim(Tier.NVME, self.loses(Tier.NVME), protect)
             if victim is not None:
                 self.drop_copy(victim, Tier.NVME)
                 slot = self.nvme.alloc()
         return slot
 
-    def attach_filling(self, key: bytes, parent: bytes, slot: int, *, unless_cached: bool) -> tuple[Entry, Copy | None]:
-        """Attach DRAM ``slot`` (in hand) to ``key``'s block as a FILLING copy. When another thread
-        got there first (the block has a DRAM copy now, or any copy if ``unless_cached``) the slot
-        is released instead and the copy is None."""
-        self.claim(slot)
+    def attach_filling(self, tier: Tier, key: bytes, parent: bytes, slot: int, *, unless_cached: bool,
+                       use: bool = False) -> tuple[Entry, Copy | None]:
+        """Attach ``slot`` of memory tier ``tier`` (in hand) to ``key``'s block as a FILLING copy.
+        When another thread got there first (the block has a copy in ``tier`` now, or any copy if
+        ``unless_cached``) the slot is released instead and the copy is None. ``use``: count a use
+        of the block either way (a put)."""
+        self.in_hand[tier].discard(slot)
         e = self.dir.entries.get(key)
-        if e is not None and (e.has_copies() if unless_cached else e.dram is not None):
-            self.release(Tier.DRAM, slot)
+        if e is not None and (e.has_copies() if unless_cached else e.copy(tier) is not None):
+            e.uses += use
+            self.release(tier, slot)
             return e, None
         e = e or self.dir.add(key, parent)
-        c = Copy(Tier.DRAM, slot, State.FILLING)
+        e.uses += use
+        c = Copy(tier, slot, State.FILLING)
         self.dir.attach(e, c)
         return e, c
 
@@ -125,7 +141,7 @@ class Ledger:
         if ok:
             c.state = State.READY
         else:
-            self.drop_copy(e, Tier.DRAM)
+            self.drop_copy(e, c.tier)
         return event
 
     # -- copies ---------------------------------------------------------------------------------
@@ -136,7 +152,7 @@ class Ledger:
         if c is None:
             return
         if c.state is State.LEAVING:
-            self.leaving -= 1
+            self.leaving[tier] -= 1
         if c.readers:
             self.limbo[tier].add(c.slot)
         else:
@@ -145,24 +161,27 @@ class Ledger:
             self.counters.dropped += 1
 
     def free_if_done(self, e: Entry, c: Copy) -> None:
-        if c.state is State.LEAVING and c.written and c.readers == 0 and e.dram is c:
-            self.drop_copy(e, Tier.DRAM)
+        if c.state is State.LEAVING and c.written and c.readers == 0 and e.copy(c.tier) is c:
+            self.drop_copy(e, c.tier)
 
-    def reader(self, key: bytes) -> tuple[Entry | None, Copy | None, threading.Event | None]:
-        """The entry of ``key``, its fastest readable copy (now read: readers + 1), or the event to
-        wait on while its DRAM copy is being filled (made by the first waiter: most fills have none)."""
+    def reader(self, key: bytes, order: tuple[Tier, ...] = LOCAL_TIERS
+               ) -> tuple[Entry | None, Copy | None, threading.Event | None]:
+        """The entry of ``key``, its first readable copy in ``order`` (now read: readers + 1), or
+        the event to wait on while a copy in a memory tier is being filled (made by the first
+        waiter: most fills have none)."""
         e = self.dir.entries.get(key)
         if e is None:
             return None, None, None
-        c = e.fastest_readable()
+        c = e.fastest_readable(order)
         if c is not None:
             c.readers += 1
             return e, c, None
-        if e.dram is None:
+        f = e.filling()
+        if f is None or f.tier not in order:
             return e, None, None
-        if e.dram.filled is None:
-            e.dram.filled = threading.Event()
-        return e, None, e.dram.filled
+        if f.filled is None:
+            f.filled = threading.Event()
+        return e, None, f.filled
 
     def hold_dram(self, chain: list[Entry]) -> dict[int, Copy]:
         """Take a reader on every readable DRAM copy of ``chain`` (by position)."""
@@ -180,61 +199,78 @@ class Ledger:
         if c.readers == 0 and c.slot in self.limbo[c.tier] and e.copy(c.tier) is not c:
             self.limbo[c.tier].discard(c.slot)
             self.release(c.tier, c.slot)
-        elif c.tier is Tier.DRAM:
+        elif c.tier in self.pools:
             self.free_if_done(e, c)
         self.dir.forget(e)
 
     # -- write-downs ----------------------------------------------------------------------------
-    def start_write_down(self, e: Entry, *, evict: bool) -> WriteDown | None:
-        """Begin moving ``e``'s DRAM copy down. Returns the job to run outside the lock, or None
-        when nothing needs writing (when evicting, the copy was dropped at once)."""
-        src = e.dram
+    def start_write_down(self, e: Entry, tier: Tier, *, evict: bool) -> WriteDown | None:
+        """Begin moving ``e``'s copy in memory tier ``tier`` down. Returns the job to run outside
+        the lock, or None when nothing needs writing (when evicting, the copy was dropped at once)."""
+        src = e.copy(tier)
         assert src is not None and src.state is State.READY
-        dst = None
-        if self.admitted(e) and e.nvme is None and self.nvme is not None:
-            slot = self.nvme_slot(frozenset((e.key,)))
-            if slot is not None:
-                dst = Copy(Tier.NVME, slot, State.FILLING)
-                self.dir.attach(e, dst)
-        upload = self.shared and self.admitted(e)
-        if dst is None and not upload:
+        if tier is Tier.DEVICE:
+            dst, upload = None, False
+            needed = self.dram is not None and e.dram is None  # a DRAM copy (even one on its way) will do
+        else:
+            dst = None
+            if self.admitted(e) and e.nvme is None and self.nvme is not None:
+                slot = self.nvme_slot(frozenset((e.key,)))
+                if slot is not None:
+                    dst = Copy(Tier.NVME, slot, State.FILLING)
+                    self.dir.attach(e, dst)
+            upload = self.shared and self.admitted(e)
+            needed = dst is not None or upload
+            if evict and not needed and not self.admitted(e) and e.nvme is None:
+                self.counters.not_admitted += 1
+        if not needed:
             if evict:
-                if not self.admitted(e) and e.nvme is None:
-                    self.counters.not_admitted += 1
-                self.drop_copy(e, Tier.DRAM)
+                self.drop_copy(e, tier)
             return None
         src.readers += 1
         if evict:
             src.state = State.LEAVING
-            self.leaving += 1
-        self.writing += 1
+            self.leaving[tier] += 1
+        self.writing[tier] += 1
         return WriteDown(e, src, dst, evict, upload)
 
     def excess_write_downs(self) -> list[WriteDown]:
-        """Once DRAM is above its high watermark, the write-downs (at most ``depth`` in flight)
-        that bring it back to its low one. The caller queues them in ``writes`` before releasing
-        the lock, so a thread that needs a slot always finds the request to run itself."""
-        if self.dram is None or (self.nvme is None and not self.shared):
-            return []  # nothing below DRAM: blocks leave only when a put needs their slot
-        wm, n = self.config.watermarks, self.dram.nslots
-        if self.dram.used - self.leaving <= wm.high * n:
-            return []
-        while self.writes and self.writes[0].future.done():
-            self.writes.popleft()
+        """For each memory tier above its high watermark, the write-downs (at most ``depth`` in
+        flight per tier) that bring it back to its low one. The caller queues them in ``writes``
+        before releasing the lock, so a thread that needs a slot always finds the request to run
+        itself."""
         jobs = []
-        while self.dram.used - self.leaving > wm.low * n and self.writing < self.config.depth:
-            victim = self.dir.victim(Tier.DRAM, self.loses_dram)
-            if victim is None:
-                break
-            job = self.start_write_down(victim, evict=True)
-            if job is not None:
-                jobs.append(job)
+        for tier, pool in self.pools.items():
+            below = self.dram is not None if tier is Tier.DEVICE else self.nvme is not None or self.shared
+            if not below:
+                continue  # nothing below: blocks leave only when a put needs their slot
+            wm, n = self.config.watermarks, pool.nslots
+            if pool.used - self.leaving[tier] <= wm.high * n:
+                continue
+            writes = self.writes[tier]
+            while writes and writes[0].future.done():
+                writes.popleft()
+            loses = self.loses(tier)
+            while pool.used - self.leaving[tier] > wm.low * n and self.writing[tier] < self.config.depth:
+                victim = self.dir.victim(tier, loses)
+                if victim is None:
+                    break
+                job = self.start_write_down(victim, tier, evict=True)
+                if job is not None:
+                    jobs.append(job)
         return jobs
 
-    def finish_write_down(self, job: WriteDown, ok: bool, checksum: int | None, block_bytes: int) -> None:
+    def finish_write_down(self, job: WriteDown, ok: bool, checksum: int | None, block_bytes: int
+                          ) -> threading.Event | None:
+        """A write-down is over (``ok``: its copy below is complete). Returns the event waiters on
+        a DRAM copy filled from the device tier wait on, to be set once the lock is released."""
         e, src, dst = job.entry, job.src, job.dst
-        self.writing -= 1
-        if dst is not None:
+        self.writing[src.tier] -= 1
+        event = None
+        if dst is not None and dst.tier is Tier.DRAM:
+            event = self.filled(e, dst, ok)
+            self.counters.demoted += ok
+        elif dst is not None:
             if ok:
                 dst.state = State.READY
                 e.checksum = checksum
@@ -248,6 +284,7 @@ class Ledger:
             src.written = True
             self.free_if_done(e, src)
         self.dir.forget(e)
+        return event
 
     # -- pins and explicit eviction -------------------------------------------------------------
     def pin(self, keys: list[bytes]) -> int:
@@ -284,20 +321,22 @@ class Ledger:
     # -- checks ---------------------------------------------------------------------------------
     def problems(self) -> list[str]:
         slots: dict[Tier, tuple[int, list[int]]] = {}
-        if self.dram is not None:
-            slots[Tier.DRAM] = (self.dram.nslots,
-                                self.dram.free_list() + sorted(self.limbo[Tier.DRAM]) + sorted(self.in_hand))
+        for tier, pool in self.pools.items():
+            slots[tier] = (pool.nslots, pool.free_list() + sorted(self.limbo[tier]) + sorted(self.in_hand[tier]))
         if self.nvme is not None:
             slots[Tier.NVME] = (self.nvme.nslots, self.nvme.free_list() + sorted(self.limbo[Tier.NVME]))
         out = self.dir.problems(slots)
-        if self.leaving != sum(1 for e in self.dir.entries.values() if e.dram and e.dram.state is State.LEAVING):
-            out.append("the count of LEAVING DRAM copies is off")
+        for tier in MEMORY_TIERS:
+            leaving = sum(1 for e in self.dir.entries.values()
+                          if (c := e.copy(tier)) is not None and c.state is State.LEAVING)
+            if self.leaving[tier] != leaving:
+                out.append(f"the count of LEAVING {tier.value} copies is off")
         return out
 
     def pinned_and_reading(self) -> tuple[int, int]:
         entries = self.dir.entries.values()
         return (sum(1 for e in entries if e.pins),
-                sum((e.dram.readers if e.dram else 0) + (e.nvme.readers if e.nvme else 0) for e in entries))
+                sum(c.readers for e in entries for t in LOCAL_TIERS if (c := e.copy(t)) is not None))
 
 
 __all__ = ["Ledger", "WriteDown"]

@@ -1,4 +1,5 @@
-"""The KV cache: one engine-agnostic block store over host DRAM, local NVMe and a shared store.
+"""The KV cache: one engine-agnostic block store over an optional pool in accelerator memory,
+host DRAM, local NVMe and a shared store.
 
 An engine hashes a prompt into block keys, asks ``lookup`` for the longest cached prefix, ``get``s
 those blocks into its own memory, computes the rest, and ``put``s the new blocks. Everything that
@@ -6,16 +7,19 @@ moves bytes runs on tierio's shared I/O pool and returns a ``Pending`` handle.
 
 Routing (see docs/kv.md):
 
-* **put** lands in DRAM. When DRAM use rises above its high watermark, the least recently used
-  blocks are written down to NVMe in the background until it is back to the low watermark; a put
-  that finds DRAM full writes a victim down itself rather than waiting on a queue.
+* **put** lands in the top memory tier: the device tier when one is configured (``device_bytes``),
+  else DRAM. When a memory tier's use rises above its high watermark, its least recently used
+  blocks are written down in the background (device to DRAM, DRAM to NVMe) until it is back to the
+  low watermark; a put that finds the tier full writes a victim down itself rather than waiting on
+  a queue.
 * **admission**: a block leaving DRAM is written to NVMe (and the shared store) only once it has
   been used ``admit_uses`` times, counting earlier lives in the cache, so one-off blocks do not
   wear the NVMe; others are dropped.
 * **eviction** is LRU per tier and prefix-aware (``entries``): tails leave before heads.
-* **get** reads each block from the fastest tier holding it; blocks read from NVMe or the shared
-  store are checked against their xxh3. **prefetch** brings blocks up into DRAM in chain order, so
-  a resumed request uses its first blocks while later ones are still arriving (a get waits for a
+* **get** reads each block from the fastest tier holding it (for a host destination, DRAM before
+  the device tier); blocks read from NVMe or the shared store are checked against their xxh3.
+  **prefetch** brings blocks up into DRAM (or on into the device tier) in chain order, so a
+  resumed request uses its first blocks while later ones are still arriving (a get waits for a
   block that is being brought up instead of reading it twice).
 * **failure is a miss**: a checksum mismatch, a short or failed read, a full disk or a timeout is
   counted, warned about once, and the block is not delivered; every reader count, pin and slot is
@@ -31,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
@@ -44,8 +48,9 @@ from tierio.errors import ConfigError, DiskFullError, IntegrityError, NotFoundEr
 from tierio.io.engine import run_windows, submit
 from tierio.io.files import bounce_pool
 from tierio.kv.config import KVConfig
+from tierio.kv.device import DeviceTier, open_device_tier
 from tierio.kv.dram import DramTier
-from tierio.kv.entries import Copy, Entry, State
+from tierio.kv.entries import LOCAL_TIERS, MEMORY_TIERS, Copy, Entry, State
 from tierio.kv.ledger import Ledger, WriteDown
 from tierio.kv.keys import BlockKey, Namespace, chain_keys, root_key
 from tierio.kv.layout import BlockLayout
@@ -54,12 +59,15 @@ from tierio.kv.rule import DecodeSLA, fetch_rule
 from tierio.kv.shared import SharedTier, block_checksum
 from tierio.kv.slab import SlabTier
 from tierio.kv.slabindex import SlotRecord
+from tierio.kv.slots import SlotPool
 from tierio.kv.stats import Counters, KVStats, Tier, TierStats
-from tierio.kv.views import copy_in, copy_out, host_bytes, is_device_tensor, split
+from tierio.kv.views import copy_in, copy_out, device_bytes, host_bytes, is_device_tensor, split
 
 log = logging.getLogger("tierio.kv")
 
 _IO_ERRORS = (TierioError, OSError)
+_COPY_ERRORS = (*_IO_ERRORS, RuntimeError)  # a failed copy to or from accelerator memory raises RuntimeError
+HOST_ORDER = (Tier.DRAM, Tier.DEVICE, Tier.NVME)  # a host destination reads DRAM before device memory
 INLINE_BYTES = 256 << 10  # puts and gets moving at most this much run on the caller's thread
 COPY_CHUNK = 256 << 20    # DRAM gets copy runs of adjacent slots in pieces of this size
 
@@ -82,14 +90,21 @@ class KVCache:
         self._fetch_latency = config.fetch_latency_s
         self._closed = False
         dram_slots = DramTier.slots_for(config.dram_bytes, self.block_bytes)
-        if config.nvme_bytes and dram_slots < 2:
-            raise ConfigError(f"KV cache: the NVMe tier is written from DRAM slots; give dram_bytes room for at least "
-                              f"2 blocks of {self.block_bytes} bytes")
+        for tier, wanted in (("NVMe", config.nvme_bytes), ("device", DeviceTier.slots_for(config.device_bytes,
+                                                                                          self.block_bytes))):
+            if wanted and dram_slots < 2:
+                raise ConfigError(f"KV cache: the {tier} tier moves blocks through DRAM slots; give dram_bytes room "
+                                  f"for at least 2 blocks of {self.block_bytes} bytes")
+        self.device, off = open_device_tier(config, self.block_bytes)
         self.dram = DramTier(dram_slots, self.block_bytes) if dram_slots else None
         self.nvme: SlabTier | None = None
         self.shared: SharedTier | None = None
-        self._ledger = Ledger(config, self.dram, self.counters)
+        self._pools: dict[Tier, SlotPool] = {t: p for t, p in ((Tier.DEVICE, self.device), (Tier.DRAM, self.dram))
+                                             if p is not None}
+        self._ledger = Ledger(config, self._pools, self.counters)
         self._lock = self._ledger.lock
+        if off is not None:
+            self._warn("device-off", off)
         try:
             self._open_lower_tiers()
         except BaseException:
@@ -158,7 +173,7 @@ class KVCache:
         if self.shared is not None and probe_shared:
             tiers.extend(self._probe_shared(keys[len(tiers):]))
         rule = None
-        slow = [i for i, t in enumerate(tiers) if t is not Tier.DRAM]
+        slow = [i for i, t in enumerate(tiers) if t not in MEMORY_TIERS]
         if sla is not None and slow:
             rule = fetch_rule(len(slow) / len(keys), self._fetch_latency, sla.decode_latency_s, sla.budget)
             if not rule.viable:
@@ -186,16 +201,18 @@ class KVCache:
         the result is ready: keep them unchanged until then."""
         self._check_open()
         keys = list(keys)
-        sources = [s if is_device_tensor(s) else host_bytes(s, self.block_bytes, f"put: block {i}", writable=False)
+        sources = [device_bytes(s, self.block_bytes, f"put: block {i}") if is_device_tensor(s)
+                   else host_bytes(s, self.block_bytes, f"put: block {i}", writable=False)
                    for i, s in enumerate(split(blocks, len(keys), self.block_bytes, "put: blocks"))]
         parents = [parent or self.root, *keys[:-1]]
-        return Pending.run(partial(self._put, keys, parents, sources), self._inline(len(keys)))
+        after = self.device.caller_mark(sources) if self.device is not None else None
+        return Pending.run(partial(self._put, keys, parents, sources, after), self._inline(len(keys)))
 
     def _inline(self, blocks: int) -> bool:
         """Transfers this small run on the calling thread: a hand-off to the pool costs more."""
         return blocks * self.block_bytes <= INLINE_BYTES
 
-    def _put(self, keys: list[bytes], parents: list[bytes], sources: list[Any]) -> PutResult:
+    def _put(self, keys: list[bytes], parents: list[bytes], sources: list[Any], after: Any) -> PutResult:
         stored = cached = 0
         chain: list[Entry] = []
         led = self._ledger
@@ -208,66 +225,100 @@ class KVCache:
                     cached += 1
                     chain.append(e)
                     continue
-            # A put longer than DRAM may send its own first blocks down a tier, never drop them.
-            slot = self._dram_slot(protect, strict=False) if self.dram is not None else None
-            if slot is None:  # the rest of the chain would be unreachable without this block
+            # A put longer than a tier may send its own first blocks down a tier, never drop them.
+            place = self._put_slot(protect)
+            if place is None:  # the rest of the chain would be unreachable without this block
                 dropped = len(keys) - i
                 with self._lock:
                     self.counters.put_dropped += dropped
                 return self._put_done(chain, stored, cached, dropped)
-            e, filled = self._fill(key, parents[i], slot, sources[i])
-            stored += filled
-            cached += not filled
+            tier, slot = place
+            e, filled = self._fill_slot(tier, key, parents[i], slot, partial(self._copy_source, sources[i], after),
+                                        unless_cached=True, use=True)
+            if filled is False:  # the copy failed (counted): the block and the rest of its chain are not stored
+                dropped = len(keys) - i
+                with self._lock:
+                    self.counters.put_dropped += dropped
+                return self._put_done(chain, stored, cached, dropped)
+            stored += filled is True
+            cached += filled is None
             chain.append(e)
-            with self._lock:  # keep write-downs flowing while a long put fills DRAM
+            with self._lock:  # keep write-downs flowing while a long put fills memory
                 self._write_down_excess()
         return self._put_done(chain, stored, cached, 0)
 
-    def _fill(self, key: bytes, parent: bytes, slot: int, source: Any) -> tuple[Entry, bool]:
-        """Copy one block into DRAM ``slot`` under ``key``; False when another thread stored it meanwhile."""
-        assert self.dram is not None
+    def _put_slot(self, protect: frozenset[bytes]) -> tuple[Tier, int] | None:
+        """Where a put's next block goes: a slot of the device tier when there is one and a slot can
+        be had there, else of DRAM."""
+        for tier in self._pools:
+            slot = self._slot(tier, protect, strict=False)
+            if slot is not None:
+                return tier, slot
+        return None
+
+    def _copy_source(self, source: Any, after: Any, e: Entry, block: Any) -> bool:
+        """A put's fill: the caller's block into a slot (device-to-device where both are on the device).
+        A copy into the device tier that fails (an accelerator error) is counted and returns False."""
+        if isinstance(block, np.ndarray):
+            copy_in(block, source, "put: block")
+            return True
+        assert self.device is not None
+        try:
+            with self.device.copying(after):
+                copy_in(block, source, "put: block")
+            return True
+        except RuntimeError as exc:  # the buffers were checked when the put was made: this is the device
+            self._failed(exc, "copying a block into the device tier")
+            return False
+
+    def _fill_slot(self, tier: Tier, key: bytes, parent: bytes, slot: int, fill: Callable[[Entry, Any], bool], *,
+                   unless_cached: bool, use: bool = False) -> tuple[Entry, bool | None]:
+        """Attach ``slot`` of memory tier ``tier`` to ``key``'s block as a FILLING copy and run
+        ``fill(entry, block bytes)`` into it; the copy becomes readable if it returns True and is
+        dropped otherwise (or if it raises). Returns the entry and whether the fill succeeded, or
+        None when another thread got there first (the slot went back; see ``attach_filling``)."""
         with self._lock:
-            e, c = self._ledger.attach_filling(key, parent, slot, unless_cached=True)
-            e.uses += 1
+            e, c = self._ledger.attach_filling(tier, key, parent, slot, unless_cached=unless_cached, use=use)
         if c is None:
-            return e, False
+            return e, None
         ok = False
         try:
-            copy_in(self.dram.block(slot), source, "put: block")
-            ok = True
+            ok = fill(e, self._pools[tier].block(slot))
         finally:
             with self._lock:
                 event = self._ledger.filled(e, c, ok)
-                self.counters.stored += ok
             if event is not None:
                 event.set()
-        return e, True
+        return e, ok
 
     def _put_done(self, chain: list[Entry], stored: int, cached: int, dropped: int) -> PutResult:
         with self._lock:
             self._ledger.dir.touch(chain)
+            self.counters.stored += stored
             self.counters.already_cached += cached
             self._write_down_excess()
         return PutResult(stored, cached, dropped)
 
-    # -- DRAM slots and write-downs -------------------------------------------------------------
-    def _dram_slot(self, protect: frozenset[bytes], *, strict: bool = True) -> int | None:
-        """A free DRAM slot, made by evicting if need be. Evicting runs the victim's write-down on
-        this thread, or a queued one, or waits (bounded) for one running elsewhere: never for a
-        request still in a queue. None when every slot is pinned, read or filling."""
+    # -- memory slots and write-downs -----------------------------------------------------------
+    def _slot(self, tier: Tier, protect: frozenset[bytes], *, strict: bool = True) -> int | None:
+        """A free slot of memory tier ``tier``, made by evicting if need be. Evicting runs the
+        victim's write-down on this thread, or a queued one, or waits (bounded) for one running
+        elsewhere: never for a request still in a queue. None when every slot is pinned, read or
+        filling. (A device write-down needs a DRAM slot, a DRAM one never a device slot: the
+        waits cannot go round in a circle.)"""
         led = self._ledger
         deadline = time.monotonic() + self.config.io_timeout_s
         while True:
             job = req = None
             with led.space:
-                slot = led.take_dram_slot()
+                slot = led.take_slot(tier)
                 if slot is not None:
                     return slot
-                if led.writes:  # finishing (or running) a write-down already begun frees a slot too
-                    req = led.writes.popleft()
-                elif (victim := led.dir.victim(Tier.DRAM, led.loses_dram, protect, strict=strict)) is not None:
-                    job = led.start_write_down(victim, evict=True)
-                elif not led.leaving:
+                if led.writes[tier]:  # finishing (or running) a write-down already begun frees a slot too
+                    req = led.writes[tier].popleft()
+                elif (victim := led.dir.victim(tier, led.loses(tier), protect, strict=strict)) is not None:
+                    job = led.start_write_down(victim, tier, evict=True)
+                elif not led.leaving[tier]:
                     return None
                 elif time.monotonic() > deadline:
                     self.counters.timeouts += 1
@@ -276,7 +327,7 @@ class KVCache:
                     led.space.wait(min(0.05, max(0.0, deadline - time.monotonic())))
                     continue
             if job is not None:
-                self._write_down(job)
+                self._run_write_down(job)
             elif req is not None:
                 req.result()  # write-downs count their own I/O failures; anything else is a bug and surfaces
 
@@ -284,7 +335,38 @@ class KVCache:
         """Under the lock: start the write-downs the watermarks ask for, each queued in the same
         lock hold that marks its copy LEAVING (see ``Ledger.excess_write_downs``)."""
         for job in self._ledger.excess_write_downs():
-            self._ledger.writes.append(submit(partial(self._write_down, job)))
+            self._ledger.writes[job.src.tier].append(submit(partial(self._run_write_down, job)))
+
+    def _run_write_down(self, job: WriteDown) -> None:
+        if job.src.tier is Tier.DEVICE:
+            self._demote(job)
+        else:
+            self._write_down(job)
+
+    def _demote(self, job: WriteDown) -> None:
+        """Copy a device block down into a DRAM slot (made by evicting there if need be). With no
+        DRAM slot to be had, an evicted device copy is dropped (the block may live on below)."""
+        assert self.device is not None and self.dram is not None
+        e, src, ok, error = job.entry, job.src, False, None
+        try:
+            slot = self._slot(Tier.DRAM, frozenset())
+            if slot is not None:
+                with self._lock:
+                    _, job.dst = self._ledger.attach_filling(Tier.DRAM, e.key, e.parent, slot, unless_cached=False)
+                if job.dst is not None:
+                    with self.device.copying():
+                        copy_out(self.dram.block(slot), self.device.block(src.slot), "device write-down")
+                ok = True
+        except _COPY_ERRORS as exc:
+            error = exc
+        finally:
+            with self._lock:
+                event = self._ledger.finish_write_down(job, ok, None, self.block_bytes)
+                self._write_down_excess()  # DRAM may be past its own watermark now
+            if event is not None:
+                event.set()
+        if error is not None:
+            self._failed(error, "writing a device block down to DRAM")
 
     def _write_down(self, job: WriteDown) -> None:
         assert self.dram is not None
@@ -329,11 +411,13 @@ class KVCache:
             flat = host_bytes(out, len(keys) * self.block_bytes, "get: out", writable=True)
             dests: list[Any] = [flat[i * self.block_bytes:(i + 1) * self.block_bytes] for i in range(len(keys))]
         else:
-            dests = [d if is_device_tensor(d) else host_bytes(d, self.block_bytes, f"get: out block {i}", writable=True)
+            dests = [device_bytes(d, self.block_bytes, f"get: out block {i}") if is_device_tensor(d)
+                     else host_bytes(d, self.block_bytes, f"get: out block {i}", writable=True)
                      for i, d in enumerate(split(out, len(keys), self.block_bytes, "get: out"))]
-        return Pending.run(partial(self._get, keys, dests, flat), self._inline(len(keys)))
+        after = self.device.caller_mark(dests) if self.device is not None else None
+        return Pending.run(partial(self._get, keys, dests, flat, after), self._inline(len(keys)))
 
-    def _get(self, keys: list[bytes], dests: list[Any], flat: np.ndarray | None) -> GetResult:
+    def _get(self, keys: list[bytes], dests: list[Any], flat: np.ndarray | None, after: Any) -> GetResult:
         led = self._ledger
         with self._lock:
             chain = []
@@ -361,7 +445,7 @@ class KVCache:
                 return Tier.DRAM
             if stop.is_set():
                 return None
-            got = self._serve(keys[i], dests[i])
+            got = self._serve(keys[i], dests[i], after)
             if got is None:
                 stop.set()
             return got
@@ -377,10 +461,12 @@ class KVCache:
             c = self.counters
             c.served += prefix
             c.missed += len(keys) - prefix
+            c.served_device += tiers.count(Tier.DEVICE)
             c.served_dram += tiers.count(Tier.DRAM)
             c.served_nvme += tiers.count(Tier.NVME)
             c.served_shared += tiers.count(Tier.SHARED)
-        events.emit(events.KvGet(len(keys), tiers.count(Tier.DRAM), tiers.count(Tier.NVME), tiers.count(Tier.SHARED)))
+        events.emit(events.KvGet(len(keys), tiers.count(Tier.DRAM), tiers.count(Tier.NVME), tiers.count(Tier.SHARED),
+                                 tiers.count(Tier.DEVICE)))
         return GetResult(prefix, tiers, len(keys) - prefix)
 
     def _copy_runs(self, held: dict[int, Copy], flat: np.ndarray) -> None:
@@ -413,33 +499,47 @@ class KVCache:
         so large blocks keep the same bytes in flight as fio's queue depth and small ones more blocks."""
         return max(2, min(64, self.config.depth * self.config.piece_bytes // max(1, self.block_bytes)))
 
-    def _serve(self, key: bytes, dest: Any) -> Tier | None:
-        """Deliver one block into ``dest``; the tier it came from, or None (a miss, counted)."""
+    def _acquire(self, key: bytes, order: tuple[Tier, ...]) -> tuple[Entry | None, Copy | None]:
+        """``key``'s entry and a reader on its first readable copy in ``order``, waiting (bounded)
+        while one is being filled; no copy when there is none to read (or the wait timed out)."""
         deadline = time.monotonic() + self.config.io_timeout_s
         while True:
             with self._lock:
-                e, c, wait = self._ledger.reader(key)
+                e, c, wait = self._ledger.reader(key, order)
             if c is not None or wait is None:
-                break
+                return e, c
             if not wait.wait(max(0.0, deadline - time.monotonic())):
                 with self._lock:
                     self.counters.timeouts += 1
-                return None
+                return e, None
+
+    def _serve(self, key: bytes, dest: Any, after: Any) -> Tier | None:
+        """Deliver one block into ``dest``; the tier it came from, or None (a miss, counted)."""
+        e, c = self._acquire(key, LOCAL_TIERS if is_device_tensor(dest) else HOST_ORDER)
         if e is None:
             return self._serve_shared(key, dest) if self.shared is not None else None
         if c is None:
             return None
         try:
-            return self._read_copy(e, c, dest)
+            return self._read_copy(e, c, dest, after)
         finally:
             with self._lock:
                 self._ledger.unread(e, c)
 
-    def _read_copy(self, e: Entry, c: Copy, dest: Any) -> Tier | None:
+    def _read_copy(self, e: Entry, c: Copy, dest: Any, after: Any) -> Tier | None:
         if c.tier is Tier.DRAM:
             assert self.dram is not None
             copy_out(dest, self.dram.block(c.slot), "get: out")
             return Tier.DRAM
+        if c.tier is Tier.DEVICE:
+            assert self.device is not None
+            try:
+                with self.device.copying(after):
+                    copy_out(dest, self.device.block(c.slot), "get: out")
+            except RuntimeError as exc:  # an accelerator error: a miss, the copy stays (the fault may be the destination's)
+                self._failed(exc, "copying a block out of the device tier")
+                return None
+            return Tier.DEVICE
         with self._host_target(dest) as host:
             t0 = time.monotonic()
             if self._read_nvme(e, c, host):
@@ -503,37 +603,45 @@ class KVCache:
             self._fetch_latency = 0.8 * self._fetch_latency + 0.2 * seconds
 
     # -- prefetch -------------------------------------------------------------------------------
-    def prefetch(self, keys: Sequence[bytes], deadline_s: float | None = None, *, parent: bytes | None = None
-                 ) -> Pending[PrefetchResult]:
-        """Bring the blocks of ``keys`` up into DRAM in the background, in chain order. Blocks that
-        cannot start within ``deadline_s`` seconds are skipped. ``parent`` as for ``put`` (used
-        for blocks that come from the shared store)."""
+    def prefetch(self, keys: Sequence[bytes], deadline_s: float | None = None, *, parent: bytes | None = None,
+                 into: Tier = Tier.DRAM) -> Pending[PrefetchResult]:
+        """Bring the blocks of ``keys`` up into DRAM (``into=Tier.DEVICE``: on up into the device
+        tier, through DRAM) in the background, in chain order. Without a device tier, ``into=DEVICE``
+        brings them into DRAM: an engine's code need not know whether this machine has one.
+        Blocks that cannot start within ``deadline_s`` seconds are skipped. ``parent`` as for
+        ``put`` (used for blocks that come from the shared store)."""
         self._check_open()
+        if into not in MEMORY_TIERS:
+            raise ConfigError(f"prefetch: blocks are brought up into DRAM or the device tier, not {into!r}")
         keys = list(keys)
         until = None if deadline_s is None else time.monotonic() + deadline_s
         parents = [parent or self.root, *keys[:-1]]
-        return Pending(submit(partial(self._prefetch, keys, parents, until)))  # always in the background
+        lift = into is Tier.DEVICE and self.device is not None
+        return Pending(submit(partial(self._prefetch, keys, parents, until, lift)))  # always in the background
 
-    def _prefetch(self, keys: list[bytes], parents: list[bytes], until: float | None) -> PrefetchResult:
+    def _prefetch(self, keys: list[bytes], parents: list[bytes], until: float | None, lift: bool) -> PrefetchResult:
         if self.dram is None:
             return PrefetchResult(0, 0, 0, len(keys))
         protect = frozenset(keys)
-        outcomes = run_windows(range(len(keys)), lambda i: self._promote(keys[i], parents[i], protect, until),
-                               self._depth())
+        step = self._lift if lift else self._promote
+        outcomes = run_windows(range(len(keys)), lambda i: step(keys[i], parents[i], protect, until), self._depth())
         result = PrefetchResult(outcomes.count("moved"), outcomes.count("present"), outcomes.count("late"),
                                 outcomes.count("failed"))
         with self._lock:
             self.counters.prefetched += result.moved
             self.counters.prefetch_late += result.late
+            self._write_down_excess()
         return result
 
     def _promote(self, key: bytes, parent: bytes, protect: frozenset[bytes], until: float | None) -> str:
+        """Bring ``key``'s block up into DRAM from NVMe or the shared store ("present" when it is
+        in a memory tier already)."""
         if until is not None and time.monotonic() > until:
             return "late"
         led = self._ledger
         with self._lock:
             e = led.dir.entries.get(key)
-            if e is not None and e.dram is not None:
+            if e is not None and (e.dram is not None or e.device is not None):
                 return "present"
             src = e.nvme if e is not None and e.nvme is not None and e.nvme.readable else None
             if (e is None and self.shared is None) or (e is not None and src is None):
@@ -541,32 +649,57 @@ class KVCache:
             if src is not None:
                 src.readers += 1
         try:
-            slot = self._dram_slot(protect)
-            return "failed" if slot is None else self._bring_up(key, parent, slot, src)
+            slot = self._slot(Tier.DRAM, protect)
+            if slot is None:
+                return "failed"
+            _, ok = self._fill_slot(Tier.DRAM, key, parent, slot, partial(self._fetch_into, src), unless_cached=False)
+            return "present" if ok is None else "moved" if ok else "failed"
         finally:
             if src is not None:
                 assert e is not None
                 with self._lock:
                     led.unread(e, src)
 
-    def _bring_up(self, key: bytes, parent: bytes, slot: int, src: Copy | None) -> str:
-        """Fill DRAM ``slot`` with ``key``'s block from its NVMe copy ``src`` (or the shared store)."""
-        assert self.dram is not None
+    def _lift(self, key: bytes, parent: bytes, protect: frozenset[bytes], until: float | None) -> str:
+        """Bring ``key``'s block up into the device tier from its DRAM copy, first bringing it up
+        into DRAM from NVMe or the shared store if it is not there."""
+        assert self.device is not None and self.dram is not None
+        if until is not None and time.monotonic() > until:
+            return "late"
         with self._lock:
-            e, c = self._ledger.attach_filling(key, parent, slot, unless_cached=False)
-        if c is None:  # another thread brought it up meanwhile
-            return "present"
-        ok = False
+            e = self._ledger.dir.entries.get(key)
+            if e is not None and e.device is not None:
+                return "present"
+            in_dram = e is not None and e.dram is not None
+        if not in_dram and (step := self._promote(key, parent, protect, until)) not in ("moved", "present"):
+            return step
+        e, src = self._acquire(key, (Tier.DRAM,))
+        if e is None or src is None:
+            return "present" if e is not None and e.device is not None else "failed"
         try:
-            ok = self._fetch_into(e, src, self.dram.block(slot))
+            slot = self._slot(Tier.DEVICE, protect)
+            if slot is None:
+                return "failed"
+            _, ok = self._fill_slot(Tier.DEVICE, key, parent, slot, partial(self._copy_up, src), unless_cached=False)
+            return "present" if ok is None else "moved" if ok else "failed"
         finally:
             with self._lock:
-                event = self._ledger.filled(e, c, ok)
-            if event is not None:
-                event.set()
-        return "moved" if ok else "failed"
+                self._ledger.unread(e, src)
 
-    def _fetch_into(self, e: Entry, src: Copy | None, host: np.ndarray) -> bool:
+    def _copy_up(self, src: Copy, e: Entry, block: Any) -> bool:
+        """A lift's fill: a DRAM copy (held for reading) into a device slot."""
+        assert self.device is not None and self.dram is not None
+        try:
+            with self.device.copying():
+                copy_in(block, self.dram.block(src.slot), "prefetch: device slot")
+            return True
+        except _COPY_ERRORS as exc:
+            self._failed(exc, "copying a block up into the device tier")
+            return False
+
+    def _fetch_into(self, src: Copy | None, e: Entry, host: np.ndarray) -> bool:
+        """A promotion's fill: ``e``'s NVMe copy ``src`` (held for reading), checked, or the shared
+        store's copy, into a DRAM slot."""
         if src is not None:
             t0 = time.monotonic()
             ok = self._read_nvme(e, src, host)
@@ -607,32 +740,43 @@ class KVCache:
         """Drop the copies of ``keys`` (in ``tier`` only, if given) that nobody pins or reads;
         returns how many copies went."""
         with self._lock:
-            return self._ledger.evict(list(keys), (Tier.DRAM, Tier.NVME) if tier is None else (tier,))
+            return self._ledger.evict(list(keys), LOCAL_TIERS if tier is None else (tier,))
 
     def flush(self) -> int:
         """Write every admitted DRAM block that has no NVMe copy down to NVMe (keeping it in DRAM)
-        and wait for every write-down in flight; returns how many blocks it wrote."""
+        and wait for every write-down in flight; returns how many blocks it wrote. Admitted blocks
+        held only in the device tier are first copied down into DRAM (keeping them on the device)."""
         self._check_open()
-        led = self._ledger
-        with self._lock:
-            jobs = []
-            if self.nvme is not None:
-                for e in list(led.dir.lru[Tier.DRAM].values()):
-                    if e.dram is not None and e.dram.state is State.READY and e.nvme is None and led.admitted(e):
-                        job = led.start_write_down(e, evict=False)
-                        if job is not None:
-                            jobs.append(job)
+        if self.device is not None and self.nvme is not None:
+            run_windows(self._flush_jobs(Tier.DEVICE, lambda e: e.dram is None), self._demote, self.config.depth)
+        jobs = self._flush_jobs(Tier.DRAM, lambda e: True) if self.nvme is not None else []
         run_windows(jobs, self._write_down, self.config.depth)
         self.wait()
         return sum(1 for j in jobs if j.dst is not None and j.dst.state is State.READY)
 
+    def _flush_jobs(self, tier: Tier, also: Callable[[Entry], bool]) -> list[WriteDown]:
+        """Write-downs (keeping the copy) of the admitted blocks of ``tier`` that have no NVMe copy."""
+        led = self._ledger
+        jobs = []
+        with self._lock:
+            for e in list(led.dir.lru[tier].values()):
+                c = e.copy(tier)
+                if c is not None and c.state is State.READY and e.nvme is None and led.admitted(e) and also(e):
+                    job = led.start_write_down(e, tier, evict=False)
+                    if job is not None:
+                        jobs.append(job)
+        return jobs
+
     def wait(self) -> None:
-        """Wait for every background write-down started so far."""
+        """Wait for every background write-down started so far (the device tier's first: they
+        may start DRAM's)."""
+        led = self._ledger
         while True:
             with self._lock:
-                if not self._ledger.writes:
+                queue = next((led.writes[t] for t in MEMORY_TIERS if led.writes[t]), None)
+                if queue is None:
                     return
-                req = self._ledger.writes.popleft()
+                req = queue.popleft()
             req.result()
 
     # -- reporting and life cycle ---------------------------------------------------------------
@@ -642,9 +786,7 @@ class KVCache:
 
     def stats(self) -> KVStats:
         with self._lock:
-            tiers = []
-            if self.dram is not None:
-                tiers.append(TierStats(Tier.DRAM, self.dram.nslots, self.dram.used, self.dram.slot_bytes))
+            tiers = [TierStats(t, p.nslots, p.used, p.slot_bytes) for t, p in self._pools.items()]
             if self.nvme is not None:
                 tiers.append(TierStats(Tier.NVME, self.nvme.nslots, self.nvme.used, self.nvme.slot_bytes, self.nvme.direct))
             pinned, reading = self._ledger.pinned_and_reading()
@@ -652,7 +794,7 @@ class KVCache:
                 blocks=len(self._ledger.dir.entries), block_bytes=self.block_bytes, tiers=tiers,
                 counters=replace(self.counters), pinned=pinned, reading=reading,
                 fetch_latency_s=self._fetch_latency, shared=self.shared.url if self.shared else None,
-                notes=list(self._notes))
+                device=self.device.name if self.device else None, notes=list(self._notes))
 
     def check(self) -> list[str]:
         """Broken bookkeeping invariants (empty when all hold): every slot free or held by exactly
@@ -670,8 +812,9 @@ class KVCache:
             raise StorageError("this KV cache is closed; open a new one")
 
     def close(self, persist: bool | None = None) -> None:
-        """Finish every write-down (first writing DRAM blocks to NVMe when ``persist``, by default
-        ``config.persist_on_close``) and close the tiers. Call it when no other call is running."""
+        """Finish every write-down (first writing DRAM and device blocks to NVMe when ``persist``,
+        by default ``config.persist_on_close``) and close the tiers, giving the device tier's memory
+        back. Call it when no other call is running."""
         if self._closed:
             return
         try:
@@ -680,6 +823,8 @@ class KVCache:
             self.wait()
         finally:
             self._closed = True
+            if self.device is not None:
+                self.device.close()
             if self.nvme is not None:
                 self.nvme.close()
             if self.shared is not None:
@@ -692,7 +837,8 @@ class KVCache:
         self.close()
 
     def __repr__(self) -> str:
-        return f"KVCache({self.layout}, dram={self.dram.nslots if self.dram else 0} blocks, " \
+        return f"KVCache({self.layout}, device={self.device.nslots if self.device else 0} blocks, " \
+               f"dram={self.dram.nslots if self.dram else 0} blocks, " \
                f"nvme={self.nvme.nslots if self.nvme else 0} blocks, shared={self.shared.url if self.shared else None})"
 
     # -- failures -------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from tierio.kv.slabindex import (
     FREE_RECORD, HEADER_LIMIT, HEADER_NAME, INDEX_NAME, LOCK_NAME, RECORD_BYTES, Geometry, SlotRecord,
     parse_header, parse_index, slab_name,
 )
+from tierio.kv.slots import FreeSlots
 from tierio.kv.stats import Tier
 
 log = logging.getLogger(__name__)
@@ -106,9 +107,10 @@ def read_header(directory: Path):
     return parse_header(raw, str(directory / HEADER_NAME))
 
 
-class SlabTier:
+class SlabTier(FreeSlots):
     """Slots in slab files under one directory; free-slot bookkeeping changes only under the
-    router's lock, reads and writes run outside it (each on its own slot)."""
+    router's lock, reads and writes run outside it (each on its own slot). The free list is made
+    once the index has been read (``_open_index``): the slots its records hold are not free."""
 
     kind = Tier.NVME
 
@@ -219,38 +221,16 @@ class SlabTier:
             if raw[slot * RECORD_BYTES:(slot + 1) * RECORD_BYTES] != FREE_RECORD:
                 self.valid[slot] = 1
         os.ftruncate(self._index_fd, n * RECORD_BYTES)
-        used = {r.slot for r in scan.records}
-        self._free = [s for s in range(n - 1, -1, -1) if s not in used]
+        FreeSlots.__init__(self, n, (r.slot for r in scan.records))
         self._seq = itertools.count(max((r.seq for r in scan.records), default=0) + 1)
 
     def _note(self, text: str) -> None:
         self.report.notes.append(text)
 
-    # -- slots (bookkeeping under the router's lock) -----------------------------------------------
-    @property
-    def nslots(self) -> int:
-        return self.geometry.nslots
-
+    # -- slots (bookkeeping under the router's lock, in FreeSlots) -------------------------------
     @property
     def slot_bytes(self) -> int:
         return self.geometry.slot_bytes
-
-    @property
-    def used(self) -> int:
-        return self.nslots - len(self._free)
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
-    def alloc(self) -> int | None:
-        return self._free.pop() if self._free else None
-
-    def release(self, slot: int) -> None:
-        self._free.append(slot)
-
-    def free_list(self) -> list[int]:
-        return list(self._free)
 
     def next_seq(self) -> int:
         """A number larger than every record's so far (thread-safe: itertools.count steps under the GIL)."""

@@ -7,8 +7,10 @@ from dataclasses import asdict, dataclass, field
 
 
 class Tier(str, enum.Enum):
-    """Where a block is: host memory, the local NVMe slabs, or the shared store."""
+    """Where a block is: the optional pool in accelerator memory, host memory, the local NVMe
+    slabs, or the shared store (fastest first)."""
 
+    DEVICE = "device"
     DRAM = "dram"
     NVME = "nvme"
     SHARED = "shared"
@@ -25,14 +27,16 @@ class Counters:
     put_dropped: int = 0         # puts that found no slot (every slot pinned or in transfer)
     served: int = 0              # blocks a get delivered
     missed: int = 0              # blocks a get was asked for and did not deliver
+    served_device: int = 0
     served_dram: int = 0
     served_nvme: int = 0
     served_shared: int = 0
+    demoted: int = 0             # blocks copied from the device tier down into DRAM (evicted or flushed)
     written_down: int = 0        # blocks written from DRAM to NVMe (or the shared store)
     written_bytes: int = 0
     not_admitted: int = 0        # blocks dropped from DRAM without a write: used fewer than admit_uses times
     dropped: int = 0             # blocks that left the cache entirely (eviction, errors)
-    prefetched: int = 0
+    prefetched: int = 0          # blocks a prefetch brought up a tier
     prefetch_late: int = 0       # prefetches skipped because their deadline had passed
     uploaded: int = 0            # blocks written to the shared store
     integrity_errors: int = 0    # checksum, key or size mismatches on a read: counted as misses
@@ -70,6 +74,7 @@ class KVStats:
     reading: int                 # copies being read right now
     fetch_latency_s: float       # NVMe block fetch latency the router uses (measured once reads happen)
     shared: str | None = None
+    device: str | None = None    # where the device tier's pool lives ("cuda:0"; "cpu" standing in), if there is one
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:

@@ -5,6 +5,7 @@ host memory and an accelerator where a block lives on one.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -70,8 +71,28 @@ def split(out: Any, count: int, nbytes: int, what: str) -> list[Any]:
     return [flat[i * nbytes:(i + 1) * nbytes] for i in range(count)]
 
 
-def copy_out(dst: Any, src: np.ndarray, what: str) -> None:
-    """Copy one block from host memory ``src`` into a caller's buffer (host or accelerator)."""
+def torch_bytes(buf: Any, nbytes: int, what: str, *, writable: bool):
+    """A flat torch.uint8 view (no copy) of any caller buffer: a device tensor as it is, anything
+    in host memory through ``host_bytes``."""
+    if is_device_tensor(buf):
+        return device_bytes(buf, nbytes, what)
+    import torch
+
+    arr = host_bytes(buf, nbytes, what, writable=writable)
+    if arr.flags.writeable:
+        return torch.from_numpy(arr)
+    with warnings.catch_warnings():  # torch warns that it cannot protect read-only memory: it is only read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(arr)
+
+
+def copy_out(dst: Any, src: Any, what: str) -> None:
+    """Copy one block out of a tier's slot ``src`` into a caller's buffer (host or accelerator).
+    ``src`` is a numpy view of host memory, or a torch view of a device tier's pool (its copies
+    run inside ``DeviceTier.copying``)."""
+    if not isinstance(src, np.ndarray):
+        torch_bytes(dst, src.numel(), what, writable=True).copy_(src, non_blocking=True)
+        return
     if isinstance(dst, np.ndarray):  # already checked (host_bytes): the common case, kept cheap
         np.copyto(dst, src)
         return
@@ -84,8 +105,12 @@ def copy_out(dst: Any, src: np.ndarray, what: str) -> None:
     np.copyto(host_bytes(dst, src.size, what, writable=True), src)  # numpy releases the GIL for the copy
 
 
-def copy_in(dst: np.ndarray, src: Any, what: str) -> None:
-    """Copy one block from a caller's buffer (host or accelerator) into host memory ``dst``."""
+def copy_in(dst: Any, src: Any, what: str) -> None:
+    """Copy one block from a caller's buffer (host or accelerator) into a tier's slot ``dst``
+    (a numpy view of host memory, or a torch view of a device tier's pool)."""
+    if not isinstance(dst, np.ndarray):
+        dst.copy_(torch_bytes(src, dst.numel(), what, writable=False), non_blocking=True)
+        return
     if isinstance(src, np.ndarray):
         np.copyto(dst, src)
         return
@@ -97,4 +122,4 @@ def copy_in(dst: np.ndarray, src: Any, what: str) -> None:
     np.copyto(dst, host_bytes(src, dst.size, what, writable=False))
 
 
-__all__ = ["copy_in", "copy_out", "device_bytes", "host_bytes", "is_device_tensor", "split"]
+__all__ = ["copy_in", "copy_out", "device_bytes", "host_bytes", "is_device_tensor", "split", "torch_bytes"]
