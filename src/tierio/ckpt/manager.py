@@ -51,6 +51,7 @@ from tierio.units import human_bytes, parse_size
 
 from tierio.ckpt.commit import CommitPlan, Waiting, await_commit, build_manifest, commit, drop_record, write_record
 from tierio.ckpt.copy import CopyStats, copy_pool, copy_shard
+from tierio.ckpt.interval import IntervalPlan, check_mtbf, measured_cost, optimal_interval, save_due
 from tierio.ckpt.gc import TEMP_GRACE, GcOptions, GcTier, collect
 from tierio.ckpt.lease import TierLeases
 from tierio.ckpt.lineage import Lineage, Rollback
@@ -81,6 +82,8 @@ class CheckpointManager:
         if isinstance(tiers, (str, Tier)) or not tiers:
             raise ConfigError("CheckpointManager needs a list of tiers, fastest first, e.g. ['/nvme/ckpt', 's3://bucket/run1']")
         self.options = opts = (options or CheckpointOptions()).with_overrides(overrides)
+        if opts.mtbf is not None:
+            check_mtbf(opts.mtbf)
         rate = parse_size(opts.promote_bandwidth) if isinstance(opts.promote_bandwidth, str) else opts.promote_bandwidth
         self.limiter = TokenBucket(rate, burst=max(1 << 20, (rate or 0) / 4)) if rate else None
         specs = [as_tier(t) for t in tiers]
@@ -152,10 +155,38 @@ class CheckpointManager:
         with self._lock:
             self._handles.append(handle)
             self._saves.append({"step": step, "bytes": handle.bytes, "blocking_seconds": handle.blocking_seconds,
-                                "wait_seconds": handle.wait_seconds})
+                                "wait_seconds": handle.wait_seconds, "returned_at": time.monotonic()})
         events.emit(events.CheckpointStaged(step, self._tiers[0].url, handle.bytes, handle.blocking_seconds, handle.wait_seconds))
         self._persist_pool.submit(self._persist, handle, job)
         return handle
+
+    def interval_plan(self) -> IntervalPlan | None:
+        """Young/Daly's interval from the ``mtbf`` option and the measured cost of the latest saves
+        (blocking time; background write as a lower bound); None before the first save."""
+        mtbf = self.options.mtbf
+        if mtbf is None:
+            raise ConfigError("should_save needs the job's mean time between failures: "
+                              "CheckpointManager(..., mtbf=SECONDS), e.g. mtbf=4 * 3600")
+        with self._lock:
+            cost = measured_cost(self._saves)
+        if cost is None:
+            return None
+        return optimal_interval(cost.blocking_s, mtbf, cost.write_s)
+
+    def should_save(self, step: int, *, now: float | None = None) -> bool:
+        """Whether to save ``step`` now, for the least expected work lost (``ckpt.interval``): True at
+        the first call (that save measures the cost), then once Young/Daly's interval has gone by
+        since the previous save returned, never while a save still persists or for a step already
+        in flight. ``now`` is a ``time.monotonic()`` reading (default: the current one)."""
+        plan = self.interval_plan()
+        with self._lock:
+            if step in self._inflight:
+                return False
+            persisting = any(not h.persisted.done() for h in self._handles)
+            last = self._saves[-1]["returned_at"] if self._saves else None
+        if plan is None or last is None:
+            return not persisting
+        return save_due(plan, (time.monotonic() if now is None else now) - last, persisting)
 
     def _begin(self, step: int) -> Rollback | None:
         """The checks before any save of ``step``; the rollback it carries out, if any."""
