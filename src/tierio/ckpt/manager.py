@@ -57,6 +57,7 @@ from tierio.ckpt.lease import TierLeases
 from tierio.ckpt.lineage import Lineage, Rollback
 from tierio.ckpt.nodes import agree_job, group_joined
 from tierio.ckpt.options import CheckpointOptions
+from tierio.ckpt.overlap import Overlap
 from tierio.ckpt.promotion import Cluster, Own, commit_on, promote_step, publish
 from tierio.ckpt.reader import VerifyReport, committed_steps, read_manifest, verify_copy
 from tierio.ckpt import recovery
@@ -120,6 +121,7 @@ class CheckpointManager:
         self._closed = False
         self._warned_min_keep = False
         self._stager = Stager()
+        self._overlap = Overlap(self._stager) if opts.overlap else None
         self._gc_lock = threading.Lock()
         self._persist_pool = ThreadPoolExecutor(1, thread_name_prefix="tierio-ckpt-persist")
         self._checksum_pool = ThreadPoolExecutor(1, thread_name_prefix="tierio-ckpt-checksum")
@@ -149,9 +151,13 @@ class CheckpointManager:
         flat = flatten(state)
         tensors, places = to_write(flat)
         handle = SaveHandle(step)
-        job = self._staged(step, tensors, places, flat.tree, rollback, handle)
+        job = self._staged(step, tensors, places, flat.tree, rollback, handle, overlap=self._overlap is not None)
         handle.blocking_seconds = time.perf_counter() - t0
-        handle.staged.set_result(step)
+        if job.snapshot is None:
+            handle.staged.set_result(step)
+        else:
+            job.snapshot.copied.add_done_callback(lambda f: handle.staged.set_exception(f.exception())
+                                                  if f.exception() is not None else handle.staged.set_result(step))
         with self._lock:
             self._handles.append(handle)
             self._saves.append({"step": step, "bytes": handle.bytes, "blocking_seconds": handle.blocking_seconds,
@@ -212,8 +218,9 @@ class CheckpointManager:
         return rollback
 
     def _staged(self, step: int, tensors: dict[str, torch.Tensor], places: dict[str, Placement], tree: Any,
-                rollback: Rollback | None, handle: SaveHandle) -> Staged:
-        """Lay out the shard and copy it into a staging buffer (the part a save blocks for)."""
+                rollback: Rollback | None, handle: SaveHandle, overlap: bool = False) -> Staged:
+        """Lay out the shard and copy it into a staging buffer (the part a save blocks for; with
+        ``overlap``, the large tensors are copied behind, ``ckpt.overlap``)."""
         meta = {"tierio.step": str(step), "tierio.rank": str(self.rank), "tierio.world_size": str(self.world_size)}
         layout = plan_shard(tensors, meta)
         need = handle.bytes = layout.total_bytes
@@ -231,7 +238,12 @@ class CheckpointManager:
             check_space(self._tiers[0], need, step, self.rank)
             with self._lock:
                 self._inflight.add(step)
-            self._stager.stage(layout, tensors, buf)
+            snapshot = None
+            if overlap:
+                assert self._overlap is not None
+                snapshot = self._overlap.start(step, layout, tensors, buf)
+            else:
+                self._stager.stage(layout, tensors, buf)
         except BaseException:
             with self._lock:
                 self._inflight.discard(step)
@@ -241,7 +253,33 @@ class CheckpointManager:
             if rollback is not None:
                 rollback.first = step if rollback.first is None else rollback.first
                 self._saved_since_restore.add(step)
-        return Staged(layout, tree, places, buf, rollback)
+        return Staged(layout, tree, places, buf, rollback, snapshot=snapshot)
+
+    # -- zero-stall snapshots (ckpt.overlap) -----------------------------------------------------
+    def before_update(self) -> None:
+        """Wait for the copies of overlapped saves (``overlap=True``) before the saved tensors
+        change: call it before an update in loops without a torch optimizer (``attach`` calls it
+        from the optimizer's step pre-hook). Raises ``SnapshotChangedError`` when a saved tensor
+        changed before its copy (that step is not written); without overlap it does nothing."""
+        if self._overlap is None:
+            return
+        waited = self._overlap.before_update()
+        with self._lock:
+            for step, seconds in waited.seconds.items():
+                self._saves_update(step, update_wait_seconds=seconds)
+            for snap, exc in waited.failed:  # reported here: the next save does not raise it again
+                snap.reported = True
+                if self._error is exc:
+                    self._error = None
+        if waited.failed:
+            raise waited.failed[0][1]
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Make ``optimizer.step()`` wait for the copies of overlapped saves first (a step pre-hook
+        calling ``before_update``); returns the hook's handle (``.remove()`` detaches it)."""
+        if self._overlap is None:
+            raise ConfigError("attach() is for overlapped saves: CheckpointManager(..., overlap=True)")
+        return optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: self.before_update())
 
     # -- torch.distributed.checkpoint (ckpt.dcp) -------------------------------------------------
     def write_now(self, step: int, tensors: dict[str, torch.Tensor], places: dict[str, Placement]) -> Own:
@@ -417,6 +455,8 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
+            if self._overlap is not None:
+                self._overlap.close()
             self._persist_pool.shutdown(wait=True)
             self._checksum_pool.shutdown(wait=True)
             self._promote_pool.shutdown(wait=True)
@@ -510,7 +550,7 @@ class CheckpointManager:
             self._cleanup_failed(step, own)
             with self._lock:
                 self._inflight.discard(step)
-                if self._error is None:
+                if self._error is None and not (job.snapshot is not None and job.snapshot.reported):
                     self._error = exc
             self._staging.wake()  # a save waiting for a buffer raises this error instead
             handle.fail(exc)
@@ -529,6 +569,8 @@ class CheckpointManager:
         its record (when asked). The staging buffer is released whatever happens."""
         t0 = self._tiers[0]
         try:
+            if job.snapshot is not None:
+                job.snapshot.copied.result()  # an overlapped save: its tensors are in the buffer
             self._cluster.ensure(t0)  # other ranks: wait for the leader's lease naming this run
             if job.rollback is not None:
                 self._retire(job.rollback)
