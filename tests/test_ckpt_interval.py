@@ -57,6 +57,8 @@ def test_measured_cost_is_the_mean_of_recent_saves_and_their_longest_write():
     assert cost is not None and cost.saves == 5
     assert cost.blocking_s == pytest.approx(3.0) and cost.write_s == pytest.approx(5.0)
     assert measured_cost([]) is None
+    overlapped = [{"blocking_seconds": 0.5, "update_wait_seconds": 1.5, "persist_seconds": 2.0}]
+    assert measured_cost(overlapped).blocking_s == pytest.approx(2.0)  # the update's wait holds training too
 
 
 def test_no_save_while_the_previous_one_persists():

@@ -87,12 +87,13 @@ class SaveCost:
 
 
 def measured_cost(saves: list[dict[str, Any]], recent: int = RECENT_SAVES) -> SaveCost | None:
-    """The cost of a save from a manager's save records (``stats()["saves"]``): the mean blocking
-    time of the latest ``recent`` saves and the longest of their persist times. None before any."""
+    """The cost of a save from a manager's save records (``stats()["saves"]``): the mean time the
+    latest ``recent`` saves held training (``save`` itself, and the next update's wait for an
+    overlapped save's copy) and the longest of their persist times. None before any."""
     latest = saves[-recent:]
     if not latest:
         return None
-    blocking = sum(float(s["blocking_seconds"]) for s in latest) / len(latest)
+    blocking = sum(float(s["blocking_seconds"]) + float(s.get("update_wait_seconds") or 0.0) for s in latest) / len(latest)
     writes = [float(s["persist_seconds"]) for s in latest if s.get("persist_seconds") is not None]
     return SaveCost(blocking, max(writes, default=0.0), len(latest))
 
