@@ -211,3 +211,20 @@ def test_bench_overlap_figure_runs(tmp_path):
     got = overlap.measure(state, tmp_path, 1, memcpy_s=0.001)
     assert set(got) >= {"stall_s", "save_blocking_s", "update_wait_s", "forward_backward_s", "ratio"}
     assert got["ratio"] > 0 and len(got["all_stall_s"]) == 1
+
+
+def test_without_an_update_hook_the_next_save_reports_the_change_once(tmp_path):
+    with CheckpointManager([tmp_path / "t0"], overlap=True) as mgr:
+        w = big(6)
+        mgr.save(1, {"w": w, "step": 1}).wait()
+        h = mgr.save(2, {"w": w, "step": 2})
+        w.add_(1.0)  # the promise broken, and no before_update() follows
+        failed = h.persisted.exception() is not None
+        if failed:
+            assert isinstance(h.persisted.exception(), SnapshotChangedError)
+            with pytest.raises(SnapshotChangedError):
+                mgr.save(3, {"w": w, "step": 3})
+        mgr.save(3, {"w": w, "step": 3}).wait()
+        mgr.before_update()  # nothing left to report
+        mgr.wait()
+        assert mgr.steps() == ([1, 3] if failed else [1, 2, 3])

@@ -104,8 +104,9 @@ class Overlap:
             after = torch.cuda.Event()
             after.record(torch.cuda.current_stream())
         with self._lock:
-            # Copies that ended cleanly need no wait at the update (their late changes go unseen).
-            self._open = [s for s in self._open if not (s.copied.done() and s.copied.exception() is None)]
+            # Copies that ended need no wait at the update (a failed one reaches the caller through
+            # its persist, which fails with it: the manager's next save/wait raises it).
+            self._open = [s for s in self._open if not s.copied.done()]
             snap.copied = self._pool.submit(copy_behind, self._stager, layout, snap, buf, after)
             self._open.append(snap)
         return snap
