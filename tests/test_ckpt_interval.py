@@ -69,9 +69,8 @@ def test_no_save_while_the_previous_one_persists():
 
 
 def test_should_save_needs_an_mtbf(tmp_path):
-    with CheckpointManager([tmp_path / "t0"]) as mgr:
-        with pytest.raises(ConfigError, match="mtbf"):
-            mgr.should_save(1)
+    with CheckpointManager([tmp_path / "t0"]) as mgr, pytest.raises(ConfigError, match="mtbf"):
+        mgr.should_save(1)
 
 
 def test_should_save_follows_the_measured_cost(tmp_path):
