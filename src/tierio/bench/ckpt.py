@@ -10,6 +10,8 @@ Figures (seconds are medians of the steady-state repetitions):
   write phase   staged -> committed (the part that competes with fio)
   blocking      how long save() holds the training loop (the snapshot copy)
   restore       restore(into=state) from a cold page cache, checksums verified
+  restore alloc restore() into new memory (what a recovering process does), cold page cache,
+                checksums verified; compared with dcp.load into freshly allocated tensors
   overlap       save(overlap=True) blocking + the next update's wait, in a loop whose forward +
                 backward takes longer than the copy (bench/overlap.py)
 """
@@ -43,6 +45,8 @@ TARGETS = {
     "overlap_stall_vs_memcpy": (">=", 4.0),
     "restore_vs_fio_read": (">=", 0.9),
     "restore_vs_dcp_load": (">=", 2.0),
+    "restore_alloc_vs_fio_read": (">=", 0.9),
+    "restore_alloc_vs_dcp_load_alloc": (">=", 1.3),
     "rss_overhead": ("<=", 1.1),
     # --ranks N (bench/cluster.py)
     "multirank_persist_vs_fio": (">=", 0.85),
@@ -190,6 +194,13 @@ def _dcp_runs(dcp: Any, state: dict[str, Any], root: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(root / "save1")), no_dist=True)
     out["load_s"] = time.perf_counter() - t0
+    # DCP loads in place only: a recovering process hands it freshly allocated tensors.
+    common.drop_caches([root])
+    t0 = time.perf_counter()
+    fresh = {k: torch.empty_like(v) for k, v in tensors.items()}
+    dcp.load(fresh, storage_reader=dcp.FileSystemReader(str(root / "save1")), no_dist=True)
+    out["load_alloc_s"] = time.perf_counter() - t0
+    del fresh
     shutil.rmtree(root / "save1")
 
     # async_save: what the call blocks for, steady state (best of calls 2 and 3: the allocator
@@ -296,6 +307,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "overlap_stall_vs_memcpy": ovl["ratio"],
         "restore_vs_fio_read": (nbytes / tio["restore_into_s"]) / fio_read,
         "restore_vs_dcp_load": dcp_r["load_s"] / tio["restore_into_s"],
+        "restore_alloc_vs_fio_read": (nbytes / tio["restore_alloc_s"]) / fio_read,
+        "restore_alloc_vs_dcp_load_alloc": dcp_r["load_alloc_s"] / tio["restore_alloc_s"],
         "rss_overhead": rss["peak_rss"] / (2 * rss["state_bytes"]),
         **integ.get("ratios", {}),
     }
@@ -312,7 +325,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "met": met,
         "fio": {"write_bytes_per_s": fio_write, "read_bytes_per_s": fio_read},
         "tierio": {**tio, "persist_bytes_per_s": nbytes / tio["persist_s"], "write_bytes_per_s": persist_bw,
-                   "restore_bytes_per_s": nbytes / tio["restore_into_s"]},
+                   "restore_bytes_per_s": nbytes / tio["restore_into_s"],
+                   "restore_alloc_bytes_per_s": nbytes / tio["restore_alloc_s"]},
         "overlap": ovl,
         "dcp": dcp_r,
         "torch_save_fsync_s": torch_save_s,

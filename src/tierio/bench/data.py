@@ -134,7 +134,7 @@ def _memmap_loop(bin_path: Path, seq_len: int, batch: int, windows: int, passes:
                 s = (b0 + r) * seq_len
                 rows[r] = mm[s : s + seq_len + 1]
             t = torch.from_numpy(rows)
-            x, y = t[:, :-1], t[:, 1:]
+            x, _y = t[:, :-1], t[:, 1:]  # both views, as a training step takes them
             tokens += x.numel()
     dt = time.perf_counter() - t0
     del mm

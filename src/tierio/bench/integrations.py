@@ -112,7 +112,7 @@ def _hf(nbytes: int, work: Path, repeat: int) -> dict[str, Any]:
             trainer = Trainer(model=model, args=args, train_dataset=data)
         trainer.train()
         settle = trainer.tierio.wait_published if name == "tierio" else (lambda: None)
-        first, median = _median_call(lambda: trainer._save_checkpoint(trainer.model, None), settle, repeat)
+        first, median = _median_call(lambda t=trainer: t._save_checkpoint(t.model, None), settle, repeat)
         out[f"{name}_first_s"], out[f"{name}_s"] = first, median
         if name == "tierio":
             out["checkpoint_bytes"] = trainer.tierio.manager.stats()["saves"][-1]["bytes"]

@@ -70,6 +70,12 @@ log = logging.getLogger("tierio.ckpt")
 
 
 
+def _read_path(store: Any) -> dict | None:
+    """How restores read this tier's files: O_DIRECT or buffered, as measured (a local directory), else None."""
+    way = getattr(store, "read_path", None)
+    return way().to_dict() if callable(way) else None
+
+
 class CheckpointManager:
     """Asynchronous tiered checkpoints. ``tiers`` go from fastest to slowest (URLs, Stores or Tier).
 
@@ -105,6 +111,7 @@ class CheckpointManager:
         self.commit_timeout = opts.commit_timeout
         self.restored_step: int | None = None
         self.restored_from: str | None = None  # the tier whose manifest the last restore used
+        self._last_restore: dict | None = None  # how the last restore moved its bytes (stats())
 
         self._lock = threading.Lock()
         # Staging buffers: at most `slots` exist, within the memory budget, reused by every save.
@@ -369,7 +376,7 @@ class CheckpointManager:
         """Where a step is committed: tier 0, or the first shared tier after node-local ones."""
         return next(ts for ts in self._tiers if not ts.node_local)
 
-    def restore(self, step: int | None = None, into: Any = None, *, per_rank: str = "strict") -> Any:
+    def restore(self, step: int | None = None, into: Any = None, *, per_rank: str = "strict", mapped: bool = True) -> Any:
         """Restore ``step`` (default: the newest step every rank can restore) from the fastest tiers
         holding good copies; every chunk verified.
 
@@ -381,6 +388,10 @@ class CheckpointManager:
         ``into=``, tensors are filled in place where shapes match. On another world size, plain
         tensors that differ between the saved ranks are refused unless ``per_rank="own"``.
 
+        Tensors restored into new memory (no ``into=`` target) are copy-on-write maps of the shard
+        files where a local or shared-filesystem tier holds them whole, populated in parallel and
+        verified before this returns (ckpt.mapped); ``mapped=False`` reads them into private memory.
+
         Saving after a restore of an older step is a rollback: the first save retires the steps after
         it on every tier (see ``tierio.ckpt.lineage``)."""
         self._check_open()
@@ -389,9 +400,10 @@ class CheckpointManager:
         self._drain(promotions=False)
         started = time.perf_counter()
         candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
-        req = recovery.Request(self.rank, self.world_size, into, per_rank, self._tiers, self.sources)
+        req = recovery.Request(self.rank, self.world_size, into, per_rank, self._tiers, self.sources, mapped=mapped)
         got = recovery.restore(req, candidates, recovery.Agreement(self._group, self.world_size), step is not None)
         self._note_restore(got.step, got.url)
+        self._last_restore = {"step": got.step, "from": got.url, **got.stats.to_dict()}
         events.emit(events.CheckpointRestored(got.step, got.url, time.perf_counter() - started))
         return got.state
 
@@ -495,11 +507,12 @@ class CheckpointManager:
             "staging_allocations": self._staging.allocations,
             "tiers": [
                 {"url": t.url, "scope": t.tier.scope, "bytes_written": t.bytes, "seconds": t.seconds, "files": t.files,
-                 "gb_per_s": t.bytes / t.seconds / 1e9 if t.seconds else 0.0}
+                 "gb_per_s": t.bytes / t.seconds / 1e9 if t.seconds else 0.0, "read_path": _read_path(t.store)}
                 for t in self._tiers
             ],
             "saves": saves,
             "pending_promotions": sorted(self._pending),
+            "restore": self._last_restore,
         }
 
     # -- restore ---------------------------------------------------------------------------------

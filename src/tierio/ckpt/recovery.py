@@ -25,7 +25,7 @@ from tierio.format.shard import manifest_key, shard_name
 
 from tierio.ckpt.nodes import gather
 from tierio.ckpt.reader import read_manifest
-from tierio.ckpt.restore import Source, load_state, own_rank
+from tierio.ckpt.restore import RestoreStats, Source, load_state, own_rank
 from tierio.ckpt.tier import TierState
 
 log = logging.getLogger("tierio.ckpt")
@@ -68,6 +68,7 @@ class Request:
     per_rank: str
     tiers: Sequence[TierState]
     sources: Callable[[str], list[Source]]  # the read order, given the url of the manifest's tier
+    mapped: bool = True  # tensors restored into new memory may be maps of local shard files
     failures: list[str] = field(default_factory=list)
 
 
@@ -76,6 +77,7 @@ class Outcome:
     state: Any
     step: int
     url: str  # where this rank's own shard came from (else the manifest's tier)
+    stats: RestoreStats
 
 
 def restore(req: Request, candidates: list[int], agreement: Agreement, explicit: bool) -> Outcome:
@@ -88,20 +90,20 @@ def restore(req: Request, candidates: list[int], agreement: Agreement, explicit:
             break
         fatal: BaseException | None = None
         try:
-            state, url = restore_step(req, step)
+            state, url, stats = restore_step(req, step)
             ok = True
         except RESTORE_ERRORS as exc:
             req.failures.append(str(exc))
-            ok, state, url = False, None, ""
+            ok, state, url, stats = False, None, "", RestoreStats()
         except Exception as exc:  # noqa: BLE001 - raised below, after the other ranks heard of it
-            ok, state, url, fatal = False, None, "", exc
+            ok, state, url, stats, fatal = False, None, "", RestoreStats(), exc
         ok = agreement.all_restored(ok, fatal)
         if fatal is not None:
             raise fatal
         if ok:
             if req.failures:
                 log.warning("restored step %d after: %s", step, "; ".join(req.failures))
-            return Outcome(state, step, url)
+            return Outcome(state, step, url, stats)
         tried.add(step)
         if not explicit and len(tried) < len(candidates):
             warnings.warn(f"no valid copy of step {step} on any tier; falling back to an older step", stacklevel=3)
@@ -111,7 +113,7 @@ def restore(req: Request, candidates: list[int], agreement: Agreement, explicit:
                          + "; ".join(req.failures or ["none found"]))
 
 
-def restore_step(req: Request, step: int) -> tuple[Any, str]:
+def restore_step(req: Request, step: int) -> tuple[Any, str, RestoreStats]:
     """This rank's state of ``step``: the manifest from the fastest shared tier whose copy reads,
     every file from the fastest tier with a good copy."""
     for ts in req.tiers:
@@ -123,8 +125,9 @@ def restore_step(req: Request, step: int) -> tuple[Any, str]:
                 log.warning("step %d was saved by %d ranks and restores on %d: global tensors are resharded; each "
                             "rank's own values come from the saved rank of the same number%s", step, man.world_size,
                             req.world_size, f" (ranks {man.world_size}.. take rank 0's)" if req.world_size > man.world_size else "")
-            got = load_state(man, req.rank, req.into, req.sources(ts.url), world_size=req.world_size, per_rank=req.per_rank)
-            return got.state, got.read_from.get(shard_name(own_rank(man, req.rank)), ts.url)
+            got = load_state(man, req.rank, req.into, req.sources(ts.url), world_size=req.world_size,
+                             per_rank=req.per_rank, map_files=req.mapped)
+            return got.state, got.read_from.get(shard_name(own_rank(man, req.rank)), ts.url), got.stats
         except RESTORE_ERRORS as exc:
             msg = f"copy of step {step} on {ts.url} is unusable: {exc}"
             warnings.warn(msg + "; trying the next tier", stacklevel=4)

@@ -26,11 +26,9 @@ from tierio.format.safetensors import torch_dtype
 from tierio.format.shard import step_dir
 from tierio.format.slices import Box
 from tierio.io.checksum import verify as verify_checksum
-from tierio.io.engine import run_windows
 from tierio.storage.base import Store
 from tierio.storage.scatter import Whole, read_scatter, read_whole
 
-VERIFY_DEPTH = 4  # chunks checksummed at once (xxh3 releases the GIL on large buffers)
 
 
 @dataclass(frozen=True)
@@ -132,7 +130,7 @@ def region(t: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) ->
     return t
 
 
-def _contiguous_at(dest: torch.Tensor, rel: tuple[int, ...], sizes: tuple[int, ...]) -> int | None:
+def contiguous_at(dest: torch.Tensor, rel: tuple[int, ...], sizes: tuple[int, ...]) -> int | None:
     """The byte offset in ``dest`` of the box ``rel``/``sizes`` when that box is one contiguous
     stretch of ``dest`` (a contiguous tensor), else None."""
     full = tuple(dest.shape)
@@ -177,7 +175,7 @@ def plan_reads(wanted: list[tuple[Stored, Target]], where: str) -> dict[str, Fil
         if len(fills) == 1 and fills[0][1] == piece.box:
             target = fills[0][0]
             rel = tuple(o - b for o, b in zip(piece.chunk.offsets, target.box.offsets))
-            at = _contiguous_at(target.dest, rel, piece.chunk.shape)
+            at = contiguous_at(target.dest, rel, piece.chunk.shape)
             if at is not None:
                 fr.direct.append((piece, _bytes(target.dest)[at : at + piece.chunk.nbytes]))
                 continue
@@ -189,10 +187,12 @@ def read_file(store: Store, step: int, reads: FileReads, where: str) -> int:
     """Read one file's chunks from ``store`` into their targets, verifying every chunk; returns bytes.
     An IntegrityError leaves the targets partly written: the caller reads the file again elsewhere."""
     key = f"{step_dir(step)}/{reads.file}"
-    n = read_scatter(store, key, [(p.chunk.begin, view) for p, view in reads.direct])
-    run_windows(reads.direct, lambda pv: verify_checksum(
-        pv[1], pv[0].chunk.xxh3, f"{where}, chunk at offsets {list(pv[0].chunk.offsets)} (bytes {pv[0].chunk.begin}..{pv[0].chunk.end})"),
-        VERIFY_DEPTH)
+
+    def verify(i: int) -> None:  # as soon as the chunk is in, while other chunks are read
+        p, view = reads.direct[i]
+        verify_checksum(view, p.chunk.xxh3, f"{where}, chunk at offsets {list(p.chunk.offsets)} (bytes {p.chunk.begin}..{p.chunk.end})")
+
+    n = read_scatter(store, key, [(p.chunk.begin, view) for p, view in reads.direct], then=verify)
 
     def staged(piece: Piece, dtype: str, fills: list[tuple[Target, Box]]):
         def use(view: memoryview) -> None:

@@ -24,6 +24,7 @@ a missing file or a chunk whose xxh3 does not match sends that file to the next 
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,25 +39,21 @@ from tierio.format.safetensors import torch_dtype
 from tierio.format.shard import step_dir
 from tierio.format.slices import Box, TensorSlice, dtensor_box, is_dtensor
 from tierio.format.statetree import tensor_refs, unflatten
+from tierio.io.buffers import align_up
+from tierio.io.mapping import Arena
 from tierio.io.untrusted import parsing
-from tierio.storage.base import Store
 
 from tierio.ckpt.commit import read_record, where
+from tierio.ckpt.mapped import map_all, placed
 from tierio.ckpt.reader import check_shard
 from tierio.ckpt.reshard import Stored, Target, global_tensors, own_tensors, plan_reads, read_file
+from tierio.ckpt.source import Source
+
+__all__ = ["Loaded", "RestoreStats", "Restored", "Source", "load_state", "own_rank", "read_all"]
 
 log = logging.getLogger("tierio.ckpt")
 
 SOURCE_ERRORS = (NotFoundError, IntegrityError, FormatError, StorageError)
-
-
-@dataclass(frozen=True)
-class Source:
-    """A tier a restore may read files from. A node-local tier holds only its node's ranks' files,
-    so a file missing there is expected, not a bad copy."""
-
-    store: Store
-    node_local: bool = False
 
 
 @dataclass
@@ -108,6 +105,7 @@ class _Want:
     target: Target
     result: Any
     finish: Callable[[], None] | None = None
+    fresh: bool = False  # new memory the restore chooses (no into= target): may be a map of the file
 
 
 def _mismatch(kind: str, name: str, got_shape, got_dtype, stored: Stored) -> ConfigError:
@@ -137,7 +135,7 @@ def own_want(name: str, stored: Stored, into: torch.Tensor | None) -> _Want:
     if into is not None and (tuple(into.shape) != stored.shape or into.dtype != torch_dtype(stored.dtype)):
         raise _mismatch("tensor", name, into.shape, into.dtype, stored)
     target, finish = _landing(name, stored, into, whole)
-    return _Want(stored, target, into if into is not None else target.dest, finish)
+    return _Want(stored, target, into if into is not None else target.dest, finish, fresh=into is None)
 
 
 def global_want(name: str, stored: Stored, into: Any) -> _Want:
@@ -158,16 +156,33 @@ def global_want(name: str, stored: Stored, into: Any) -> _Want:
     if into is not None and (tuple(into.shape) != stored.shape or into.dtype != dtype):
         raise _mismatch("tensor", name, into.shape, into.dtype, stored)
     target, finish = _landing(name, stored, into, Box((0,) * len(stored.shape), stored.shape))
-    return _Want(stored, target, into if into is not None else target.dest, finish)
+    return _Want(stored, target, into if into is not None else target.dest, finish, fresh=into is None)
 
 
 # -- the restore -----------------------------------------------------------------------------------
+@dataclass
+class RestoreStats:
+    """How a restore moved its bytes: ``mapped_bytes`` became copy-on-write maps of local shard
+    files (new memory, ckpt.mapped), ``read_bytes`` were read into tensors (in place, or tensors
+    that no single local file holds whole)."""
+
+    mapped_bytes: int = 0
+    read_bytes: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        n = self.mapped_bytes + self.read_bytes
+        return {"mapped_bytes": self.mapped_bytes, "read_bytes": self.read_bytes, "seconds": self.seconds,
+                "gb_per_s": n / self.seconds / 1e9 if self.seconds else 0.0}
+
+
 @dataclass
 class Restored:
     """A restored state and where its files came from (file name -> tier url)."""
 
     state: Any
     read_from: dict[str, str]
+    stats: RestoreStats = field(default_factory=RestoreStats)
 
 
 PER_RANK = ("strict", "own")
@@ -190,9 +205,11 @@ def check_per_rank(loaded: Loaded, own: RankEntry, names: list[str], world_size:
 
 
 def load_state(manifest: Manifest, rank: int, into: Any, sources: Sequence[Source], *, world_size: int | None = None,
-               per_rank: str = "strict") -> Restored:
+               per_rank: str = "strict", map_files: bool = True) -> Restored:
     """Rank ``rank``'s state of ``manifest`` in a job of ``world_size`` ranks (default: the saved
-    number), every byte verified, from the first good source of each file."""
+    number), every byte verified, from the first good source of each file. Tensors restored into
+    new memory are maps of local shard files where they lie whole in one (``map_files``; ckpt.mapped)."""
+    t0 = time.perf_counter()
     if per_rank not in PER_RANK:
         raise ConfigError(f"per_rank={per_rank!r} must be one of {', '.join(PER_RANK)}")
     loaded = Loaded(manifest, sources)
@@ -224,14 +241,51 @@ def load_state(manifest: Manifest, rank: int, into: Any, sources: Sequence[Sourc
         unflatten(tree, note_own, into, note_global)
     if world_size not in (None, manifest.world_size) and per_rank == "strict":
         check_per_rank(loaded, own, [n for is_global, n in wants if not is_global], world_size, label)
-    read_from = read_all(manifest, loaded, [(w.stored, w.target) for w in wants.values()], sources)
+    stats = RestoreStats()
+    fresh = [p for k, w in wants.items() if map_files and w.fresh and (p := placed(k, w.stored, w.target, label))]
+    mapped = map_all(manifest.step, loaded.entry, fresh, sources)
+    for k, tensor in mapped.tensors.items():
+        wants[k].result = tensor
+    rest = [w for k, w in wants.items() if k not in mapped.tensors]
+    prefault([w for w in rest if w.fresh and w.target.dest.numel()])
+    read_from = {**mapped.read_from, **read_all(manifest, loaded, [(w.stored, w.target) for w in rest], sources)}
+    stats.mapped_bytes = mapped.nbytes
+    stats.read_bytes = sum(w.target.dest.numel() * w.target.dest.element_size() for w in rest)
     for w in wants.values():
         if w.finish is not None:
             w.finish()
     with parsing(f"{label}: the state tree"):
         state = unflatten(tree, lambda name, _t: wants[(False, name)].result, into,
                           lambda name, _t: wants[(True, name)].result)
-    return Restored(state, read_from)
+    # The tree walk's recursive closure is a reference cycle holding the callbacks above: emptied,
+    # it holds no tensor, so a restored tensor dies with the caller's last reference to it (a
+    # mapped one unmaps its file then, instead of at the next garbage collection).
+    wants.clear()
+    stats.seconds = time.perf_counter() - t0
+    return Restored(state, read_from, stats)
+
+
+PREFAULT_MIN = 1 << 20  # below this, torch.empty's own faults cost less than an arena
+
+
+def prefault(wants: list[_Want]) -> None:
+    """New tensors the restore reads into (not mapped: on S3, spread over several files, or
+    ``mapped=False``) are carved out of one huge-page arena faulted in by several threads before
+    the reads: first-touch faults of 4 KiB pages cost more than the read on virtual machines."""
+    sizes = [w.target.dest.numel() * w.target.dest.element_size() for w in wants]
+    if sum(sizes) < PREFAULT_MIN:
+        return
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += align_up(n, 64)  # every tensor starts on a cache line
+    arena = Arena(total)
+    arena.populate_all()
+    for w, at, n in zip(wants, offsets, sizes):
+        dest = w.target.dest
+        fresh = arena.typed(at, dest.dtype, dest.numel()).view(dest.shape)
+        w.target = Target(w.target.name, fresh, w.target.box)
+        w.result = fresh
 
 
 def read_all(manifest: Manifest, loaded: Loaded, wanted: list[tuple[Stored, Target]],

@@ -192,6 +192,7 @@ def print_summary(d: dict[str, Any]) -> None:
                                d["restored_from"])],
         ["restored step", d["resumed_from"]],
         ["restore time", f"{d['restore_s']:.2f} s ({fmt_rate(bw)})"],
+        ["restore rate / local-nvme write rate", f"{d['restore_vs_tier0_write']:.2f}" if d.get("restore_vs_tier0_write") else "-"],
         ["steps redone", d["steps"] - d["resumed_from"]],
         ["bit-exact with the uninterrupted run", "yes" if d["bit_exact"] else "NO"],
     ])

@@ -99,10 +99,24 @@ class DemoReport:
     promotion_errors: list[str] = field(default_factory=list)
     directory: str = ""
     manager_stats: dict[str, Any] = field(default_factory=dict)
+    restore: dict[str, Any] = field(default_factory=dict)  # the restoring manager's stats()["restore"]
+
+    @property
+    def restore_bytes_per_s(self) -> float:
+        return self.state_bytes / self.restore_s if self.restore_s else 0.0
+
+    @property
+    def restore_vs_tier0_write(self) -> float | None:
+        """Restore rate over the rate the first tier was written at (the same disk's write speed)."""
+        bw = self.tiers[0].get("bandwidth") if self.tiers else None
+        return self.restore_bytes_per_s / bw if bw else None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["sync_vs_async_blocking"] = self.sync_save_s / self.blocking_s_mean if self.blocking_s_mean else None
+        d["restore_bytes_per_s"] = self.restore_bytes_per_s
+        d["restore_gb_per_s"] = self.restore_bytes_per_s / 1e9
+        d["restore_vs_tier0_write"] = self.restore_vs_tier0_write
         return d
 
 
@@ -330,6 +344,7 @@ def _run(cfg: DemoConfig, directory: Path, progress: Progress) -> DemoReport:
         tree = mgr2.restore()
         restore_s = time.perf_counter() - t0
         restored_from = urls[mgr2.tiers.index(mgr2.restored_from)]  # the tier as the demo named it
+        restore_stats = _jsonable(mgr2.stats()["restore"])
     if cfg._fault == "perturb":
         tree["model"]["blocks.0.fc.weight"].view(-1)[0] += 0.01
     resumed.load_state(tree, restore_rng=cfg._fault != "skip-rng", restore_data=cfg._fault != "skip-data")
@@ -362,6 +377,7 @@ def _run(cfg: DemoConfig, directory: Path, progress: Progress) -> DemoReport:
         resumed_from=resumed_from,
         restored_from=restored_from,
         restore_s=restore_s,
+        restore=restore_stats,
         state_bytes=state_bytes,
         model_params=model_cfg.num_params(),
         train_s=train_s,

@@ -92,6 +92,27 @@ def residency(path: str | Path | int) -> Residency:
             os.close(fd)
 
 
+def range_resident(fd: int, offset: int, length: int) -> float:
+    """Resident fraction of bytes [offset, offset+length) of an open file (0.0 .. 1.0; 0.0 where
+    it cannot be known). Maps only that range, so it costs the same for any file size."""
+    lib = libc()
+    if lib is None or length <= 0:
+        return 0.0
+    start = offset - offset % PAGE
+    span = offset + length - start
+    npages = -(-span // PAGE)
+    addr = lib.mmap(None, span, _PROT_READ, _MAP_SHARED, fd, start)
+    if addr in (None, _MAP_FAILED):
+        return 0.0
+    try:
+        vec = (ctypes.c_ubyte * npages)()
+        if lib.mincore(addr, span, vec) != 0:
+            return 0.0
+        return float((np.frombuffer(vec, np.uint8) & 1).sum()) / npages
+    finally:
+        lib.munmap(addr, span)
+
+
 def resident_fraction(path: str | Path, offset: int = 0, length: int | None = None) -> float:
     """Fraction of [offset, offset+length) of ``path`` that is in the page cache (0.0 .. 1.0)."""
     return residency(path).fraction(offset, length)

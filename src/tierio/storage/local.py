@@ -18,7 +18,9 @@ from tierio.errors import FormatError, NotFoundError
 from tierio.io.durable import atomic_copy, atomic_write, fsync_dir, is_temp
 from tierio.io.files import os_error, pwrite_all, read_into, writer_gone
 from tierio.io.limiter import TokenBucket
+from tierio.io.pagecache import range_resident
 from tierio.io.paths import open_beneath, open_dir_beneath
+from tierio.io.readpath import RESIDENT, SAMPLE_BYTES, ReadPath, read_path_of
 from tierio.io.space import disk_space
 from tierio.storage.base import Buffer, ObjectInfo, check_key
 
@@ -32,6 +34,7 @@ class LocalStore:
         self.root = Path(root).expanduser().absolute()
         self.direct = direct
         self.limiter = limiter
+        self._read_path: ReadPath | None = None
         if create:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -96,13 +99,43 @@ class LocalStore:
         except OSError as exc:
             raise os_error(exc, self.root / key, "opening") from exc
 
+    def read_path(self) -> ReadPath:
+        """How large reads of this directory's file system go, O_DIRECT or buffered (io.readpath)."""
+        if self._read_path is None:
+            self._read_path = read_path_of(self.root)
+        return self._read_path
+
     def read_into(self, key: str, offset: int, buf: memoryview) -> int:
-        fd, direct = self.open(key, direct=self.direct)
+        """Large reads take the read way measured for this filesystem (io.readpath), and bytes
+        already in the page cache are copied from there (buffered) rather than read again."""
+        n = memoryview(buf).nbytes
+        if not self.direct or n < SAMPLE_BYTES:
+            return self._read(key, offset, buf, direct=self.direct)
+        fd, _ = self.open(key)
         try:
-            read_into(self.root / key, offset, buf, direct=direct, fd=fd)
+            if range_resident(fd, offset, n) >= RESIDENT:
+                read_into(self.root / key, offset, buf, direct=False, fd=fd)
+                return len(buf)
         finally:
             os.close(fd)
+        way = self.read_path()
+        want = way.direct()
+        t0 = time.perf_counter()
+        direct = self._read(key, offset, buf, direct=want)
+        if want and not direct:
+            way.settle("buffered")  # the filesystem refuses O_DIRECT (tmpfs): nothing to measure
+        else:
+            way.record(direct, n, time.perf_counter() - t0)  # cold bytes: a fair sample
         return len(buf)
+
+    def _read(self, key: str, offset: int, buf: memoryview, *, direct: bool) -> bool:
+        """Read with O_DIRECT when asked and possible; whether it was."""
+        fd, is_direct = self.open(key, direct=direct)
+        try:
+            read_into(self.root / key, offset, buf, direct=is_direct, fd=fd)
+        finally:
+            os.close(fd)
+        return is_direct
 
     def get_file(self, key: str, path: str | Path) -> int:
         fd, _ = self.open(key, direct=self.direct)

@@ -5,7 +5,8 @@ addresses that do not line up with their file offsets, so O_DIRECT cannot land i
 each tensor on its own also keeps the device queue shallow. Instead the covering byte ranges are
 read in large aligned windows by the io engine, ``depth`` at a time, into a few reused buffers, and
 each window is copied out to every destination it overlaps (a memcpy at ~10 GB/s, in the reader
-threads, with the GIL released) while the next windows are in flight.
+threads, with the GIL released) while the next windows are in flight. Destinations of several MiB
+are read straight into instead (see ``read_scatter``).
 
 ``read_whole`` is the other shape of a restore: ranges that must be seen whole before any of their
 bytes may be used (a checkpoint chunk is verified against its checksum, then only part of it is
@@ -33,6 +34,8 @@ MERGE_GAP = 1 * MiB  # read through holes up to this size instead of issuing ano
 # allocation units run at half speed on virtual disks, even when 4 KiB aligned.
 GRID = 1 * MiB
 WHOLE = 64 * MiB  # the largest range read_whole keeps buffers for (a checkpoint chunk)
+STRAIGHT = 4 * MiB  # destinations at least this large are read straight into
+STRAIGHT_DEPTH = 4  # of them at once (each is several requests in flight already)
 
 
 def window_pool() -> BufferPool:
@@ -75,16 +78,38 @@ class _Scatter:
 
 
 def read_scatter(store: Store, key: str, spans: Sequence[tuple[int, memoryview]], *,
-                 window: int = WINDOW, depth: int = DEPTH) -> int:
-    """Fill each ``dest`` with the object's bytes at [offset, offset + len(dest)); returns bytes copied."""
-    todo = sorted(((off, memoryview(d).cast("B")) for off, d in spans if len(d)), key=lambda s: s[0])
-    if not todo:
-        return 0
-    shape = Windowing(window, depth, merge_gap=MERGE_GAP, grid=GRID)
-    pool = window_pool() if window == WINDOW else BufferPool(budget_bytes=depth * window)
-    job = _Scatter(store, key, todo, [off for off, _ in todo], pool, window)
-    regions = plan([ByteRange(off, off + len(d)) for off, d in todo], shape)
-    return sum(read_windows(regions, shape, job.window))
+                 window: int = WINDOW, depth: int = DEPTH, then: Callable[[int], None] | None = None) -> int:
+    """Fill each ``dest`` with the object's bytes at [offset, offset + len(dest)); returns bytes copied.
+
+    ``then(i)`` runs once span ``i`` (its index in ``spans``) holds its bytes: right after its read
+    for a large span, in that reader thread (a checksum overlaps the other reads), after every
+    window for the small ones (they share windows)."""
+    todo = sorted(((i, off, memoryview(d).cast("B")) for i, (off, d) in enumerate(spans) if len(d)), key=lambda s: s[1])
+    # A large destination is read straight into (the store cuts it into parallel requests itself):
+    # buffered reads then land in it with no copy, and O_DIRECT does when its address agrees with
+    # the file offset modulo 4 KiB. Only small ones share windows and are copied out of them.
+    large = [s for s in todo if len(s[2]) >= STRAIGHT]
+    small = [s for s in todo if len(s[2]) < STRAIGHT]
+
+    def straight(s: tuple[int, int, memoryview]) -> int:
+        n = store.read_into(key, s[1], s[2])
+        if then is not None:
+            then(s[0])
+        return n
+
+    n = sum(run_windows(large, straight, STRAIGHT_DEPTH))
+    if small:
+        shape = Windowing(window, depth, merge_gap=MERGE_GAP, grid=GRID)
+        pool = window_pool() if window == WINDOW else BufferPool(budget_bytes=depth * window)
+        job = _Scatter(store, key, [(off, d) for _, off, d in small], [off for _, off, _ in small], pool, window)
+        regions = plan([ByteRange(off, off + len(d)) for _, off, d in small], shape)
+        n += sum(read_windows(regions, shape, job.window))
+    if then is not None:  # the small spans, and empty ones (which hold their bytes already)
+        done = {i for i, _, _ in large}
+        for i in range(len(spans)):
+            if i not in done:
+                then(i)
+    return n
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ from tierio.io.buffers import ALIGN, align_up
 from tierio.io.engine import ByteRange, Window, Windowing, plan, read_windows
 from tierio.io.files import open_file, pread_full
 from tierio.units import MiB
-from tierio.weights.memory import Arena, FileMapping, staging_pool
+from tierio.io.mapping import MAP_CHUNK, MAP_DEPTH, Arena, FileMapping
+from tierio.weights.memory import staging_pool
 from tierio.weights.sources import Shard
 
 log = logging.getLogger(__name__)
@@ -40,8 +41,6 @@ DEFAULT_CHUNK = 16 * MiB
 DEFAULT_DEPTH = 8
 MERGE_GAP = 4 * MiB  # read through gaps up to this size rather than issue another request
 RESIDENT = 0.5  # a window at least this much in the page cache is read buffered
-MAP_CHUNK = 64 * MiB  # mapped mode: populate windows (see map_extents)
-MAP_DEPTH = 4
 
 Hook = Callable[[Shard, int, memoryview, int], None]
 
@@ -202,9 +201,8 @@ def map_extents(
     """Map every (local) extent privately and populate it through the page cache, a few large
     windows at a time (the ``mapped`` load mode).
 
-    Windows of at least MAP_CHUNK with at most MAP_DEPTH in flight: on the machine we measured,
-    64 MiB x 4 populated 2 GiB at ~0.07 CPU-s/GB against ~0.18 for 16 MiB x 8 (fewer, longer
-    readahead streams), at the same wall time. The window is a whole multiple of ``chunk_size``
+    Windows of at least MAP_CHUNK with at most MAP_DEPTH in flight (io.mapping says why). The
+    window is a whole multiple of ``chunk_size``
     so that a hook sees whole checksum windows of the weight cache."""
     counters = counters or Counters()
     chunk_size = align_up(chunk_size) * max(1, -(-MAP_CHUNK // align_up(chunk_size)))

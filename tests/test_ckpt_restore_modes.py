@@ -1,0 +1,201 @@
+"""The restore modes, bit for bit: new memory (maps of local shard files), in place (into=), and
+resharding; a chunk that fails its checksum while a map is populated sends the file to the next copy."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierio.ckpt import CheckpointManager, TensorSlice
+from tierio.errors import IntegrityError
+from tierio.format.manifest import parse_manifest
+
+from test_ckpt_reshard import WHOLE, ranks, save_rows
+
+
+def make_state() -> dict:
+    g = torch.Generator().manual_seed(16)
+    return {
+        "big": torch.randn(17 << 20, generator=g),  # 68 MiB: two checksum chunks in the shard
+        "w": torch.randn(333, 77, generator=g),
+        "h": torch.randn(1001, generator=g).bfloat16(),
+        "i8": torch.randint(-128, 127, (13,), dtype=torch.int8, generator=g),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.empty(0, 4),
+        "nested": {"m": [torch.arange(5), torch.ones(3, 3, dtype=torch.float16)]},
+        "step": 9,
+    }
+
+
+def tensors(state) -> dict[str, torch.Tensor]:
+    out = {}
+
+    def walk(prefix, v):
+        if isinstance(v, torch.Tensor):
+            out[prefix] = v
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                walk(f"{prefix}/{k}", x)
+        elif isinstance(v, list):
+            for i, x in enumerate(v):
+                walk(f"{prefix}/{i}", x)
+    walk("", state)
+    return out
+
+
+def assert_same(got, want) -> None:
+    a, b = tensors(got), tensors(want)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)), k  # bits, not values
+    assert got["step"] == want["step"]
+
+
+def nbytes(state) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors(state).values())
+
+
+def shard(root: Path, step: int = 1, rank: int = 0) -> Path:
+    return root / f"step_{step:09d}" / f"rank_{rank:05d}.safetensors"
+
+
+def test_new_memory_restore_maps_the_files_bit_exact_and_writable(tmp_path):
+    state = make_state()
+    with CheckpointManager([tmp_path]) as mgr:
+        mgr.save(1, state).wait()
+    with CheckpointManager([tmp_path]) as mgr:
+        got = mgr.restore()
+        assert_same(got, state)
+        stats = mgr.stats()["restore"]
+        assert stats["step"] == 1 and stats["mapped_bytes"] == nbytes(state) and stats["read_bytes"] == 0
+        got["big"].add_(1)  # copy-on-write: the checkpoint's file is not changed by training
+        got["nested"]["m"][1][0, 0] = 7
+        assert_same(mgr.restore(), state)
+        private = mgr.restore(mapped=False)
+        assert_same(private, state)
+        stats = mgr.stats()["restore"]
+        assert stats["mapped_bytes"] == 0 and stats["read_bytes"] == nbytes(state)
+        way = mgr.stats()["tiers"][0]["read_path"]
+        assert way["chosen"] in ("direct", "buffered", "measuring")
+
+
+def test_a_restored_rng_state_is_accepted_by_torch(tmp_path):
+    # torch.set_rng_state reads the tensor's storage from its start: a mapped tensor owns its storage
+    with CheckpointManager([tmp_path]) as mgr:
+        mgr.save(1, {"pad": torch.ones(7, dtype=torch.int8), "rng": torch.get_rng_state()}).wait()
+        got = mgr.restore()
+    expected = torch.rand(4, generator=torch.Generator().set_state(got["rng"].clone()))
+    torch.set_rng_state(got["rng"])
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_the_read_way_is_chosen_by_measurement_per_file_system():
+    from tierio.io.readpath import SAMPLES, ReadPath
+
+    way = ReadPath(device=1)
+    picks = [way.direct() for _ in range(4)]
+    assert picks == [True, False, True, False]  # alternates while measuring
+    for _ in range(SAMPLES):
+        way.record(True, 100, 1.0)
+        assert way.measuring
+        way.record(False, 300, 1.0)
+    assert way.chosen == "buffered" and not way.direct()
+    assert way.to_dict() == {"chosen": "buffered", "direct_gb_per_s": 0.0, "buffered_gb_per_s": 0.0}
+    fast_disk = ReadPath(device=2)
+    for _ in range(SAMPLES):
+        fast_disk.record(True, 3e9, 1.0)
+        fast_disk.record(False, 1e9, 1.0)
+    assert fast_disk.chosen == "direct" and fast_disk.direct()
+
+
+def test_in_place_restore_reads_into_the_given_tensors_bit_exact(tmp_path):
+    state = make_state()
+    with CheckpointManager([tmp_path]) as mgr:
+        mgr.save(1, state).wait()
+    into = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+    into["nested"] = {"m": [torch.zeros(5, dtype=torch.int64), torch.zeros(3, 3, dtype=torch.float16)]}
+    big = into["big"]
+    with CheckpointManager([tmp_path]) as mgr:
+        got = mgr.restore(into=into)
+        assert got["big"] is big
+        assert_same(got, state)
+        stats = mgr.stats()["restore"]
+        assert stats["mapped_bytes"] == 0 and stats["read_bytes"] == nbytes(state)
+
+
+def test_resharding_restores_into_new_memory_and_in_place(tmp_path):
+    save_rows(tmp_path)  # w: rows 0..4 in rank 0's file, 5..9 in rank 1's; b written by rank 0 only
+    with CheckpointManager([tmp_path]) as mgr:  # one rank, new memory: w spans two files, b lies in one
+        got = mgr.restore()
+        assert torch.equal(got["w"], WHOLE) and torch.equal(got["b"], torch.ones(3, dtype=torch.bfloat16))
+        stats = mgr.stats()["restore"]
+        assert stats["mapped_bytes"] == 6 and stats["read_bytes"] == WHOLE.numel() * 4
+    for world in (2, 3):
+        def one(r: int, world: int = world) -> None:
+            lo, hi = 10 * r // world, 10 * (r + 1) // world
+            target = TensorSlice(torch.full((hi - lo, 6), -1.0), (lo, 0), (10, 6))
+            with CheckpointManager([tmp_path], rank=r, world_size=world) as mgr:
+                out = mgr.restore(into={"w": target})
+                assert out["w"] is target and torch.equal(target.local, WHOLE[lo:hi])
+                fresh = mgr.restore()
+                assert torch.equal(fresh["w"], WHOLE) and fresh["n"] == 7
+        ranks(world, one)
+
+
+def test_a_global_tensor_saved_whole_is_mapped(tmp_path):
+    with CheckpointManager([tmp_path]) as mgr:
+        mgr.save(1, {"w": TensorSlice(WHOLE.clone(), (0, 0), (10, 6))}).wait()
+    with CheckpointManager([tmp_path]) as mgr:
+        assert torch.equal(mgr.restore()["w"], WHOLE)
+        assert mgr.stats()["restore"]["mapped_bytes"] == WHOLE.numel() * 4
+
+
+def corrupt_chunk(root: Path, name: str, index: int) -> None:
+    """Flip one byte in the middle of chunk ``index`` of tensor ``name`` of rank 0's shard of step 1."""
+    raw = (root / "step_000000001" / "manifest.json").read_bytes()
+    man = parse_manifest(raw, "manifest", expect_step=1)
+    c = man.ranks[0].tensors[name].chunks[index]
+    with open(shard(root), "r+b") as f:
+        f.seek((c.begin + c.end) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_a_chunk_failing_its_checksum_while_mapping_falls_back_to_the_next_copy(tmp_path, index):
+    state = make_state()
+    tiers = [tmp_path / "fast", tmp_path / "slow"]
+    with CheckpointManager(tiers) as mgr:
+        mgr.save(1, state).wait()
+        mgr.wait()
+    corrupt_chunk(tiers[0], "big", index)
+    with CheckpointManager(tiers) as mgr:
+        with pytest.warns(UserWarning, match=r"passed over are unusable: checksum mismatch in .*fast/step_000000001/rank_00000.safetensors"):
+            got = mgr.restore(1)
+        assert_same(got, state)
+        assert mgr.stats()["restore"]["mapped_bytes"] == nbytes(state)
+        assert mgr.restored_from.endswith("slow")
+    corrupt_chunk(tiers[1], "big", index)
+    with CheckpointManager(tiers) as mgr, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(IntegrityError, match="no valid copy of step 1"):
+            mgr.restore(1)
+
+
+def test_a_mapped_tensor_unmaps_its_file_when_dropped_without_waiting_for_gc(tmp_path):
+    # A file deleted by retention keeps taking space (a tmpfs tier) while a map of it lives.
+    import gc
+
+    with CheckpointManager([tmp_path]) as mgr:
+        mgr.save(1, make_state()).wait()
+        gc.disable()
+        try:
+            assert mgr.restore(1)["w"].shape == (333, 77)
+            assert str(shard(tmp_path)) not in Path("/proc/self/maps").read_text()
+        finally:
+            gc.enable()
