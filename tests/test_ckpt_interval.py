@@ -132,3 +132,29 @@ def test_plan_refuses_bad_failure_figures(capsys, argv, msg):
     assert main(["plan", "--only", "interval", *argv]) == 1
     err = capsys.readouterr().err
     assert "--" in err and msg in err and "Traceback" not in err
+
+
+def agreeing_worker(rank: int, root: str, init: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        with CheckpointManager([root], mtbf=3600.0) as mgr:
+            assert mgr.should_save(1)
+            mgr.save(1, {"w": torch.full((1024,), float(rank)), "step": 1}).wait()
+            plan = mgr.interval_plan()
+            last = mgr.stats()["saves"][0]["returned_at"]
+            # rank 1 finds the next step due, rank 0 not yet: nobody saves it
+            assert not mgr.should_save(2, now=last + plan.interval_s * (2.0 if rank else 0.5))
+            assert mgr.should_save(3, now=last + plan.interval_s * 2.0)
+            mgr.save(3, {"w": torch.full((1024,), float(rank)), "step": 3}).wait()
+            assert mgr.steps() == [1, 3]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_agree_on_should_save(tmp_path):
+    import torch.multiprocessing as tmp
+
+    tmp.start_processes(agreeing_worker, args=(str(tmp_path / "t0"), f"file://{tmp_path}/pg"), nprocs=2,
+                        start_method="spawn", join=True)

@@ -55,7 +55,7 @@ from tierio.ckpt.interval import IntervalPlan, check_mtbf, measured_cost, optima
 from tierio.ckpt.gc import TEMP_GRACE, GcOptions, GcTier, collect
 from tierio.ckpt.lease import TierLeases
 from tierio.ckpt.lineage import Lineage, Rollback
-from tierio.ckpt.nodes import agree_job, group_joined
+from tierio.ckpt.nodes import agree_job, gather, group_joined
 from tierio.ckpt.options import CheckpointOptions
 from tierio.ckpt.overlap import Overlap
 from tierio.ckpt.promotion import Cluster, Own, commit_on, promote_step, publish
@@ -190,7 +190,9 @@ class CheckpointManager:
         """Whether to save ``step`` now, for the least expected work lost (``ckpt.interval``): True at
         the first call (that save measures the cost), then once Young/Daly's interval has gone by
         since the previous save returned, never while a save still persists or for a step already
-        in flight. ``now`` is a ``time.monotonic()`` reading (default: the current one)."""
+        in flight. With a process group every rank must call it for the same steps: the ranks
+        agree (one all_gather in the caller's thread), so a step is saved when every rank finds it
+        due. ``now`` is a ``time.monotonic()`` reading (default: the current one)."""
         plan = self.interval_plan()
         with self._lock:
             if step in self._inflight:
@@ -198,8 +200,14 @@ class CheckpointManager:
             persisting = any(not h.persisted.done() for h in self._handles)
             last = self._saves[-1]["returned_at"] if self._saves else None
         if plan is None or last is None:
-            return not persisting
-        return save_due(plan, (time.monotonic() if now is None else now) - last, persisting)
+            due = not persisting
+        else:
+            due = save_due(plan, (time.monotonic() if now is None else now) - last, persisting)
+        if self._group is None:
+            return due
+        # Every rank must save the same steps (a commit waits for all of them), while each measures
+        # its own saves and clock: a step is saved when every rank finds it due.
+        return all(gather(due, self._group, self.world_size))
 
     def _begin(self, step: int) -> Rollback | None:
         """The checks before any save of ``step``; the rollback it carries out, if any."""
