@@ -55,5 +55,14 @@ class UnstorableError(ConfigError):
         self.key = key
 
 
+class SnapshotChangedError(TierioError):
+    """A tensor handed to an overlapped save changed in place before its copy was taken; ``names``
+    are the tensors that changed. That save is not written: the previous checkpoint stays."""
+
+    def __init__(self, message: str, names: list[str]) -> None:
+        super().__init__(message)
+        self.names = names
+
+
 class LeaseError(StorageError):
     """Another run holds the tier's write lease (or this run lost it): one writer per tier."""

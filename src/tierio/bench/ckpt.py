@@ -12,6 +12,8 @@ Figures (seconds are medians of the steady-state repetitions):
   restore       restore(into=state) from a cold page cache, checksums verified
   restore alloc restore() into new memory (what a recovering process does), cold page cache,
                 checksums verified; compared with dcp.load into freshly allocated tensors
+  overlap       save(overlap=True) blocking + the next update's wait, in a loop whose forward +
+                backward takes longer than the copy (bench/overlap.py)
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 
-from tierio.bench import common, integrations
+from tierio.bench import common, integrations, overlap
 from tierio.errors import ConfigError
 from tierio.units import human_bytes, parse_size
 
@@ -39,6 +41,7 @@ TARGETS = {
     "persist_vs_torch_save": (">=", 5.0),
     "stall_vs_memcpy": (">=", 0.67),
     "stall_vs_dcp_async": (">=", 3.0),
+    "overlap_stall_vs_memcpy": (">=", 4.0),
     "restore_vs_fio_read": (">=", 0.9),
     "restore_vs_dcp_load": (">=", 2.0),
     "restore_alloc_vs_fio_read": (">=", 0.9),
@@ -277,6 +280,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         memcpy_s = statistics.median(floor.times)
         del floor
         shutil.rmtree(work / "tierio", ignore_errors=True)
+        log("tierio: overlapped saves in a training loop")
+        ovl = overlap.measure(state, work / "overlap", args.repeat, memcpy_s)
+        shutil.rmtree(work / "overlap", ignore_errors=True)
         log("torch.distributed.checkpoint: save, load, async_save")
         dcp_r = _dcp(state, work / "dcp")
         shutil.rmtree(work / "dcp", ignore_errors=True)
@@ -294,6 +300,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "persist_vs_torch_save": torch_save_s / tio["persist_s"],
         "stall_vs_memcpy": memcpy_s / tio["blocking_wall_s"],
         "stall_vs_dcp_async": dcp_r["async_blocking_s"] / tio["blocking_wall_s"],
+        "overlap_stall_vs_memcpy": ovl["ratio"],
         "restore_vs_fio_read": (nbytes / tio["restore_into_s"]) / fio_read,
         "restore_vs_dcp_load": dcp_r["load_s"] / tio["restore_into_s"],
         "restore_alloc_vs_fio_read": (nbytes / tio["restore_alloc_s"]) / fio_read,
@@ -316,6 +323,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tierio": {**tio, "persist_bytes_per_s": nbytes / tio["persist_s"], "write_bytes_per_s": persist_bw,
                    "restore_bytes_per_s": nbytes / tio["restore_into_s"],
                    "restore_alloc_bytes_per_s": nbytes / tio["restore_alloc_s"]},
+        "overlap": ovl,
         "dcp": dcp_r,
         "torch_save_fsync_s": torch_save_s,
         "memcpy_s": memcpy_s,

@@ -51,11 +51,13 @@ from tierio.units import human_bytes, parse_size
 
 from tierio.ckpt.commit import CommitPlan, Waiting, await_commit, build_manifest, commit, drop_record, write_record
 from tierio.ckpt.copy import CopyStats, copy_pool, copy_shard
+from tierio.ckpt.interval import IntervalPlan, check_mtbf, measured_cost, optimal_interval, save_due
 from tierio.ckpt.gc import TEMP_GRACE, GcOptions, GcTier, collect
 from tierio.ckpt.lease import TierLeases
 from tierio.ckpt.lineage import Lineage, Rollback
-from tierio.ckpt.nodes import agree_job, group_joined
+from tierio.ckpt.nodes import agree_job, gather, group_joined
 from tierio.ckpt.options import CheckpointOptions
+from tierio.ckpt.overlap import Overlap
 from tierio.ckpt.promotion import Cluster, Own, commit_on, promote_step, publish
 from tierio.ckpt.reader import VerifyReport, committed_steps, read_manifest, verify_copy
 from tierio.ckpt import recovery
@@ -87,6 +89,8 @@ class CheckpointManager:
         if isinstance(tiers, (str, Tier)) or not tiers:
             raise ConfigError("CheckpointManager needs a list of tiers, fastest first, e.g. ['/nvme/ckpt', 's3://bucket/run1']")
         self.options = opts = (options or CheckpointOptions()).with_overrides(overrides)
+        if opts.mtbf is not None:
+            check_mtbf(opts.mtbf)
         rate = parse_size(opts.promote_bandwidth) if isinstance(opts.promote_bandwidth, str) else opts.promote_bandwidth
         self.limiter = TokenBucket(rate, burst=max(1 << 20, (rate or 0) / 4)) if rate else None
         specs = [as_tier(t) for t in tiers]
@@ -124,6 +128,7 @@ class CheckpointManager:
         self._closed = False
         self._warned_min_keep = False
         self._stager = Stager()
+        self._overlap = Overlap(self._stager) if opts.overlap else None
         self._gc_lock = threading.Lock()
         self._persist_pool = ThreadPoolExecutor(1, thread_name_prefix="tierio-ckpt-persist")
         self._checksum_pool = ThreadPoolExecutor(1, thread_name_prefix="tierio-ckpt-checksum")
@@ -153,16 +158,56 @@ class CheckpointManager:
         flat = flatten(state)
         tensors, places = to_write(flat)
         handle = SaveHandle(step)
-        job = self._staged(step, tensors, places, flat.tree, rollback, handle)
+        job = self._staged(step, tensors, places, flat.tree, rollback, handle, overlap=self._overlap is not None)
         handle.blocking_seconds = time.perf_counter() - t0
-        handle.staged.set_result(step)
+        if job.snapshot is None:
+            handle.staged.set_result(step)
+        else:
+            job.snapshot.copied.add_done_callback(lambda f: handle.staged.set_exception(f.exception())
+                                                  if f.exception() is not None else handle.staged.set_result(step))
         with self._lock:
             self._handles.append(handle)
             self._saves.append({"step": step, "bytes": handle.bytes, "blocking_seconds": handle.blocking_seconds,
-                                "wait_seconds": handle.wait_seconds})
+                                "wait_seconds": handle.wait_seconds, "returned_at": time.monotonic()})
         events.emit(events.CheckpointStaged(step, self._tiers[0].url, handle.bytes, handle.blocking_seconds, handle.wait_seconds))
         self._persist_pool.submit(self._persist, handle, job)
         return handle
+
+    def interval_plan(self) -> IntervalPlan | None:
+        """Young/Daly's interval from the ``mtbf`` option and the measured cost of the latest saves
+        (blocking time; background write as a lower bound); None before the first save."""
+        mtbf = self.options.mtbf
+        if mtbf is None:
+            raise ConfigError("should_save needs the job's mean time between failures: "
+                              "CheckpointManager(..., mtbf=SECONDS), e.g. mtbf=4 * 3600")
+        with self._lock:
+            cost = measured_cost(self._saves)
+        if cost is None:
+            return None
+        return optimal_interval(cost.blocking_s, mtbf, cost.write_s)
+
+    def should_save(self, step: int, *, now: float | None = None) -> bool:
+        """Whether to save ``step`` now, for the least expected work lost (``ckpt.interval``): True at
+        the first call (that save measures the cost), then once Young/Daly's interval has gone by
+        since the previous save returned, never while a save still persists or for a step already
+        in flight. With a process group every rank must call it for the same steps: the ranks
+        agree (one all_gather in the caller's thread), so a step is saved when every rank finds it
+        due. ``now`` is a ``time.monotonic()`` reading (default: the current one)."""
+        plan = self.interval_plan()
+        with self._lock:
+            if step in self._inflight:
+                return False
+            persisting = any(not h.persisted.done() for h in self._handles)
+            last = self._saves[-1]["returned_at"] if self._saves else None
+        if plan is None or last is None:
+            due = not persisting
+        else:
+            due = save_due(plan, (time.monotonic() if now is None else now) - last, persisting)
+        if self._group is None:
+            return due
+        # Every rank must save the same steps (a commit waits for all of them), while each measures
+        # its own saves and clock: a step is saved when every rank finds it due.
+        return all(gather(due, self._group, self.world_size))
 
     def _begin(self, step: int) -> Rollback | None:
         """The checks before any save of ``step``; the rollback it carries out, if any."""
@@ -188,8 +233,9 @@ class CheckpointManager:
         return rollback
 
     def _staged(self, step: int, tensors: dict[str, torch.Tensor], places: dict[str, Placement], tree: Any,
-                rollback: Rollback | None, handle: SaveHandle) -> Staged:
-        """Lay out the shard and copy it into a staging buffer (the part a save blocks for)."""
+                rollback: Rollback | None, handle: SaveHandle, overlap: bool = False) -> Staged:
+        """Lay out the shard and copy it into a staging buffer (the part a save blocks for; with
+        ``overlap``, the large tensors are copied behind, ``ckpt.overlap``)."""
         meta = {"tierio.step": str(step), "tierio.rank": str(self.rank), "tierio.world_size": str(self.world_size)}
         layout = plan_shard(tensors, meta)
         need = handle.bytes = layout.total_bytes
@@ -207,7 +253,12 @@ class CheckpointManager:
             check_space(self._tiers[0], need, step, self.rank)
             with self._lock:
                 self._inflight.add(step)
-            self._stager.stage(layout, tensors, buf)
+            snapshot = None
+            if overlap:
+                assert self._overlap is not None
+                snapshot = self._overlap.start(step, layout, tensors, buf)
+            else:
+                self._stager.stage(layout, tensors, buf)
         except BaseException:
             with self._lock:
                 self._inflight.discard(step)
@@ -217,7 +268,33 @@ class CheckpointManager:
             if rollback is not None:
                 rollback.first = step if rollback.first is None else rollback.first
                 self._saved_since_restore.add(step)
-        return Staged(layout, tree, places, buf, rollback)
+        return Staged(layout, tree, places, buf, rollback, snapshot=snapshot)
+
+    # -- zero-stall snapshots (ckpt.overlap) -----------------------------------------------------
+    def before_update(self) -> None:
+        """Wait for the copies of overlapped saves (``overlap=True``) before the saved tensors
+        change: call it before an update in loops without a torch optimizer (``attach`` calls it
+        from the optimizer's step pre-hook). Raises ``SnapshotChangedError`` when a saved tensor
+        changed before its copy (that step is not written); without overlap it does nothing."""
+        if self._overlap is None:
+            return
+        waited = self._overlap.before_update()
+        with self._lock:
+            for step, seconds in waited.seconds.items():
+                self._saves_update(step, update_wait_seconds=seconds)
+            for snap, exc in waited.failed:  # reported here: the next save does not raise it again
+                snap.reported = True
+                if self._error is exc:
+                    self._error = None
+        if waited.failed:
+            raise waited.failed[0][1]
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Make ``optimizer.step()`` wait for the copies of overlapped saves first (a step pre-hook
+        calling ``before_update``); returns the hook's handle (``.remove()`` detaches it)."""
+        if self._overlap is None:
+            raise ConfigError("attach() is for overlapped saves: CheckpointManager(..., overlap=True)")
+        return optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: self.before_update())
 
     # -- torch.distributed.checkpoint (ckpt.dcp) -------------------------------------------------
     def write_now(self, step: int, tensors: dict[str, torch.Tensor], places: dict[str, Placement]) -> Own:
@@ -398,6 +475,8 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
+            if self._overlap is not None:
+                self._overlap.close()
             self._persist_pool.shutdown(wait=True)
             self._checksum_pool.shutdown(wait=True)
             self._promote_pool.shutdown(wait=True)
@@ -492,7 +571,7 @@ class CheckpointManager:
             self._cleanup_failed(step, own)
             with self._lock:
                 self._inflight.discard(step)
-                if self._error is None:
+                if self._error is None and not (job.snapshot is not None and job.snapshot.reported):
                     self._error = exc
             self._staging.wake()  # a save waiting for a buffer raises this error instead
             handle.fail(exc)
@@ -511,6 +590,8 @@ class CheckpointManager:
         its record (when asked). The staging buffer is released whatever happens."""
         t0 = self._tiers[0]
         try:
+            if job.snapshot is not None:
+                job.snapshot.copied.result()  # an overlapped save: its tensors are in the buffer
             self._cluster.ensure(t0)  # other ranks: wait for the leader's lease naming this run
             if job.rollback is not None:
                 self._retire(job.rollback)

@@ -23,7 +23,11 @@ class CheckpointOptions:
     host name; with a process group, ranks naming the same node share it); ``ranks_per_node``:
     without a process group, ranks sit on nodes in blocks of this many (default: torchrun's
     LOCAL_WORLD_SIZE, else one node); ``inline_records``: rank records up to this many bytes
-    together are merged into the manifest, larger ones are referenced."""
+    together are merged into the manifest, larger ones are referenced; ``mtbf``: the job's mean time
+    between failures in seconds, which turns on ``CheckpointManager.should_save`` (Young/Daly's
+    interval from the measured cost of saves, ``ckpt.interval``); ``overlap``: zero-stall snapshots,
+    ``save`` returns before the large tensors are copied and the next update waits for the copy
+    (``attach(optimizer)`` or ``before_update()``; the rule the caller keeps: ``ckpt.overlap``)."""
 
     memory_budget: int | str | None = None
     double_buffer: bool = False
@@ -35,6 +39,8 @@ class CheckpointOptions:
     node: str | None = None
     ranks_per_node: int | None = None
     inline_records: int = INLINE_RECORD_BYTES
+    mtbf: float | None = None
+    overlap: bool = False
 
     def with_overrides(self, overrides: dict[str, Any]) -> CheckpointOptions:
         """These options with keyword arguments (the manager's older keywords) applied."""

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Collection
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +20,9 @@ from tierio.units import human_bytes
 
 from tierio.ckpt.lineage import Rollback
 from tierio.ckpt.tier import Tier, TierState
+
+if TYPE_CHECKING:
+    from tierio.ckpt.overlap import Snapshot
 
 CAPACITY_WARN = 0.80
 
@@ -65,6 +69,7 @@ class Staged:
     buf: HostBuffer | None
     rollback: Rollback | None
     direct: ShardBytes | None = None
+    snapshot: Snapshot | None = None  # an overlapped save: its tensors still being copied
 
     def parts(self) -> tuple[list[memoryview], memoryview | ShardBytes]:
         """What to write, and the bytes to checksum."""
@@ -105,15 +110,21 @@ class Stager:
     def __init__(self) -> None:
         self._stream = None
 
-    def stage(self, layout: ShardLayout, tensors: dict[str, torch.Tensor], buf: HostBuffer) -> None:
+    def stage(self, layout: ShardLayout, tensors: dict[str, torch.Tensor], buf: HostBuffer,
+              names: Collection[str] | None = None, header: bool = True, after: Any = None) -> None:
+        """Stage ``names`` (default all) and the header. A device copy starts after ``after`` (a CUDA
+        event recorded where the tensors were produced; default: the calling thread's stream)."""
         stream = None
-        if any(t.is_cuda for t in tensors.values()) and torch.cuda.is_available():
+        if any(t.is_cuda for n, t in tensors.items() if names is None or n in names) and torch.cuda.is_available():
             if self._stream is None:
                 self._stream = torch.cuda.Stream()
             stream = self._stream
-            stream.wait_stream(torch.cuda.current_stream())
+            if after is not None:
+                stream.wait_event(after)
+            else:
+                stream.wait_stream(torch.cuda.current_stream())
         with torch.no_grad():
-            stage_into(layout, tensors, buf.tensor(), stream)
+            stage_into(layout, tensors, buf.tensor(), stream, names, header)
         if stream is not None:
             stream.synchronize()
 

@@ -60,6 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--margin", default="2", help="safety margin on required bandwidth (default 2)")
     g.add_argument("--tensors-per-rank", help="tensor slices each rank saves (default: from the model's layers)")
     g.add_argument("--commit-spread", default="5s", help="time from the first to the last rank's shard durable (default 5s)")
+    g.add_argument("--mtbf", help="the job's mean time between failures (default: --gpu-mtbf / --gpus)")
+    g.add_argument("--gpu-mtbf", default="50000h", help="one GPU's mean time between job interruptions (default 50000h)")
+    g.add_argument("--restart-time", default="0s", help="restart and restore after a failure, added to the work lost (default 0s)")
     g = p.add_argument_group("write paths")
     g.add_argument("--single-writer-bw", default="10GB/s", help="one writer's bandwidth (default 10GB/s)")
     g.add_argument("--storage-bw", help="aggregate write bandwidth of the shared tier (default: the planned OSTs)")
@@ -170,6 +173,9 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         measured=load_measured(args.measured) if args.measured else None,
         tensors_per_rank=opt(args.tensors_per_rank, _int, "--tensors-per-rank"),
         commit_spread_s=parse_duration(args.commit_spread, "--commit-spread"),
+        mtbf_s=opt(args.mtbf, parse_duration, "--mtbf"),
+        gpu_mtbf_s=parse_duration(args.gpu_mtbf, "--gpu-mtbf"),
+        restart_s=parse_duration(args.restart_time, "--restart-time", allow_zero=True),
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import math
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -157,16 +158,18 @@ def staging_view(buf_u8: torch.Tensor, begin: int, end: int, dtype: torch.dtype,
 
 
 def stage_into(layout: ShardLayout, tensors: dict[str, torch.Tensor], buf_u8: torch.Tensor,
-               stream=None) -> None:
+               stream=None, names: Collection[str] | None = None, header: bool = True) -> None:
     """Copy the header and every tensor into the staging buffer (a uint8 tensor of >= total bytes).
 
     CPU tensors are copied with torch's parallel copy; CUDA tensors with non_blocking copies on
     ``stream`` (the caller synchronizes). Non-contiguous tensors are gathered by the copy itself.
+    ``names`` / ``header`` stage a part (an overlapped save copies small tensors first, the rest behind).
     """
-    n = len(layout.header_bytes)
-    buf_u8[:n].copy_(torch.frombuffer(bytearray(layout.header_bytes), dtype=torch.uint8))
+    if header:
+        n = len(layout.header_bytes)
+        buf_u8[:n].copy_(torch.frombuffer(bytearray(layout.header_bytes), dtype=torch.uint8))
     for name, e in layout.header.tensors.items():
-        if e.nbytes == 0:
+        if e.nbytes == 0 or (names is not None and name not in names):
             continue
         t = tensors[name]
         off = layout.header.data_offset

@@ -79,15 +79,15 @@ def parse_rate(text: str | int | float, what: str = "bandwidth") -> float:
     return _positive(value, what, text)
 
 
-def parse_duration(text: str | int | float, what: str = "duration") -> float:
+def parse_duration(text: str | int | float, what: str = "duration", allow_zero: bool = False) -> float:
     """Parse "25s", "15ms", "200us", "2h" or a number of seconds."""
     _reject_negative(text, what)
     if isinstance(text, (int, float)):
-        return _positive(float(text), what, text)
+        return _positive(float(text), what, text, allow_zero)
     m = re.fullmatch(_NUMBER + r"([a-zA-Zµ]*)\s*", str(text))
     if not m or m.group(2).lower() not in _TIME_SUFFIX:
         raise ConfigError(f"cannot read {what} {text!r}: use a duration like 25s, 15ms, 200us or 2h")
-    return _positive(float(m.group(1)) * _TIME_SUFFIX[m.group(2).lower()], what, text)
+    return _positive(float(m.group(1)) * _TIME_SUFFIX[m.group(2).lower()], what, text, allow_zero)
 
 
 def parse_fraction(text: str | int | float, what: str = "fraction") -> float:

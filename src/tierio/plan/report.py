@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tierio.ckpt.interval import interval_at, optimal_interval
 from tierio.errors import ConfigError
 from tierio.plan import bandwidth, checkpoint, cost, serving
 from tierio.plan.measured import Measured
 from tierio.plan.model import ModelShape, dtype_bytes, preset
 from tierio.plan.quantities import fmt_bytes, fmt_money, fmt_num, fmt_pct, fmt_rate, fmt_seconds
 
-SECTIONS = ("checkpoint", "write", "commit", "bandwidth", "data", "weights", "kv", "cost")
+SECTIONS = ("checkpoint", "write", "interval", "commit", "bandwidth", "data", "weights", "kv", "cost")
 
 
 @dataclass
@@ -82,6 +83,10 @@ class PlanInputs:
     # commit metadata load
     tensors_per_rank: int | None = None      # None: from the model's layers and the optimizer
     commit_spread_s: float = 5.0             # first to last rank's shard durable
+    # failures: the job's MTBF is given, or one GPU's divided by the GPUs
+    mtbf_s: float | None = None
+    gpu_mtbf_s: float = 50_000 * 3600.0      # ~ one interruption per 50,000 GPU-hours at 16K-GPU scale
+    restart_s: float = 0.0                   # restart and restore after a failure
 
 
 def build_plan(inp: PlanInputs) -> dict[str, Any]:
@@ -148,6 +153,8 @@ def build_plan(inp: PlanInputs) -> dict[str, Any]:
         checkpoint.tensors_per_rank(m.layers, inp.optimizer, inp.weight_dtype)
     commit = checkpoint.commit_load(par.world_size, tensors, size.per_rank_written, spread_s=inp.commit_spread_s)
 
+    interval_plan = _interval(inp, writes, interval)
+
     hw = cost.ost_hardware_cost(osts.specified, inp.ost_node_cost, inp.osts_per_node)
     daily = inp.archive_per_day if inp.archive_per_day is not None else size.bytes_total
     archive = cost.archive_cost(daily, inp.object_price, inp.years, inp.retention_days)
@@ -172,6 +179,7 @@ def build_plan(inp: PlanInputs) -> dict[str, Any]:
             "snapshot_bw": inp.snapshot_bw,
             "strategies": [asdict(w) for w in writes],
         },
+        "interval": interval_plan,
         "commit": asdict(commit),
         "bandwidth": {
             "async_window_s": inp.async_window_s,
@@ -196,6 +204,18 @@ def build_plan(inp: PlanInputs) -> dict[str, Any]:
         "measured": measured,
         "notes": notes,
     }
+
+
+def _interval(inp: PlanInputs, writes: list[checkpoint.WriteCost], planned_s: float) -> dict[str, Any]:
+    """Young/Daly's interval for the async strategy (blocking = the snapshot, bounded below by the
+    background write) next to the planned one; the job's MTBF is given or one GPU's / GPUs."""
+    mtbf = inp.mtbf_s if inp.mtbf_s is not None else inp.gpu_mtbf_s / inp.gpus
+    snap = next(w for w in writes if w.strategy == "async")
+    best = optimal_interval(snap.blocking_s, mtbf, snap.background_s, inp.restart_s)
+    planned = interval_at(planned_s, snap.blocking_s, mtbf, snap.background_s, inp.restart_s)
+    return {"mtbf_s": mtbf, "mtbf_source": "given" if inp.mtbf_s is not None else "one GPU's MTBF / GPUs",
+            "step_s": inp.step_s, "optimum": asdict(best), "optimum_steps": best.interval_s / inp.step_s,
+            "planned": asdict(planned), "planned_queues": planned_s < snap.background_s}
 
 
 def tables(plan: dict[str, Any], sections: tuple[str, ...] = SECTIONS) -> list[tuple[str, list[str], list[list[str]]]]:
@@ -223,6 +243,8 @@ def tables(plan: dict[str, Any], sections: tuple[str, ...] = SECTIONS) -> list[t
                     f"({wr['checkpoints_per_day']:.2f}/day); single writer {fmt_rate(wr['single_writer_bw'])}, "
                     f"storage {fmt_rate(wr['storage_bw'])}, snapshot {fmt_rate(wr['snapshot_bw'])}/GPU",
                     ["strategy", "GPUs wait", "background", "overhead", "GPU-h/ckpt", "$/ckpt", "$/day", "note"], rows))
+    if "interval" in sections:
+        out.append(_interval_table(plan["interval"]))
     if "commit" in sections:
         c = plan["commit"]
         rq = c["requests"]
@@ -302,3 +324,24 @@ def tables(plan: dict[str, Any], sections: tuple[str, ...] = SECTIONS) -> list[t
         ]
         out.append(("Storage cost", ["item", "arithmetic", "cost"], rows))
     return out
+
+
+def _interval_table(iv: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    best, planned = iv["optimum"], iv["planned"]
+    c, m, r = best["cost_s"], iv["mtbf_s"], best["restart_s"]
+    rows = [
+        ["blocking cost per save (C)", "async snapshot", fmt_seconds(c)],
+        ["background write (W)", "lower bound on the interval", fmt_seconds(best["write_s"])],
+        ["mean time between failures (M)", iv["mtbf_source"], fmt_seconds(m)],
+        ["Young/Daly optimum", f"√(2 × {c:.3g} s × {m:,.0f} s)", fmt_seconds(best["young_daly_s"])],
+        ["interval", f"max(optimum, W): {best['bound']}",
+         f"{fmt_seconds(best['interval_s'])} = {iv['optimum_steps']:,.1f} steps of {iv['step_s']:g} s"],
+        ["work lost per failure", "(interval + C) / 2" + (" + restart" if r else ""),
+         fmt_seconds(best["lost_per_failure_s"])],
+        ["time lost (saves + failures)", "C / interval + lost / M", fmt_pct(best["waste"])],
+        ["planned interval", "", fmt_seconds(planned["interval_s"])
+         + (" (shorter than the write: saves queue)" if iv["planned_queues"] else "")],
+        ["work lost per failure, planned", "", fmt_seconds(planned["lost_per_failure_s"])],
+        ["time lost, planned", "", fmt_pct(planned["waste"])],
+    ]
+    return ("Checkpoint interval — least work lost (Young/Daly)", ["figure", "arithmetic", "value"], rows)
