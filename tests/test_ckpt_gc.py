@@ -46,13 +46,14 @@ def kill_mid_promotion(root: Path, step: int) -> None:
     p = ctx.Process(target=promote_slowly, args=(str(root), step, ready, stop))
     p.start()
     assert ready.wait(180), "saver did not start"
-    for _ in range(6000):  # until the partial shard shows on the slow tier
-        if temps(root / "slow"):
+    step_dir = root / "slow" / f"step_{step:09d}"
+    for _ in range(6000):  # until the partial shard shows on the slow tier (not the lease's temp file)
+        if step_dir.is_dir() and temps(step_dir):
             break
         time.sleep(0.01)
     os.kill(p.pid, signal.SIGKILL)
     p.join()
-    assert temps(root / "slow"), "the kill did not land mid-promotion"
+    assert temps(step_dir), "the kill did not land mid-promotion"
     assert not (root / "slow" / f"step_{step:09d}" / "manifest.json").exists()
 
 
