@@ -112,6 +112,34 @@ def test_the_read_way_is_chosen_by_measurement_per_file_system():
     assert fast_disk.chosen == "direct" and fast_disk.direct()
 
 
+def test_o_direct_must_win_clearly_and_bounced_destinations_are_measured_apart(tmp_path):
+    from tierio.io.readpath import MARGIN, SAMPLES, ReadPath, forget
+    from tierio.storage.local import LocalStore
+
+    close_call = ReadPath(device=3)
+    for _ in range(SAMPLES):  # O_DIRECT ahead, but within the noise of a loaded machine: buffered
+        close_call.record(True, 1.1e9, 1.0)
+        close_call.record(False, 1e9, 1.0)
+    assert MARGIN > 1.1 and close_call.chosen == "buffered"
+    forget()
+    store = LocalStore(tmp_path)
+    store.put_buffers("f", [memoryview(bytes(range(256)) * (64 << 10))])  # 16 MiB
+    buf = torch.zeros((16 << 20) + 4096, dtype=torch.uint8)
+    addr = buf.data_ptr()
+    lands = buf[(-addr) % 4096:][: 16 << 20]  # address = offset 0 modulo 4 KiB: O_DIRECT lands in it
+    bounces = buf[(64 - addr) % 4096:][: 8 << 20]  # 64 bytes off: O_DIRECT would bounce every byte
+    store.read_into("f", 0, memoryview(lands.numpy()))
+    store.read_into("f", 0, memoryview(bounces.numpy()))
+    store.read_into("f", 8 << 20, memoryview(bounces.numpy()))
+    way, bounced = store.read_path(), store.read_path(bounced=True)
+    assert way is not bounced and bounced.bounced and not way.bounced
+    if way.chosen is None:  # (a file system without O_DIRECT settles on buffered at once)
+        samples = {k: len(v) for k, v in way.rates.items()}, {k: len(v) for k, v in bounced.rates.items()}
+        assert samples == ({"direct": 1, "buffered": 0}, {"direct": 1, "buffered": 1})  # each of its own kind
+    assert torch.equal(bounces, lands[8 << 20:])
+    forget()
+
+
 def test_in_place_restore_reads_into_the_given_tensors_bit_exact(tmp_path):
     state = make_state()
     with CheckpointManager([tmp_path]) as mgr:

@@ -73,7 +73,7 @@ log = logging.getLogger("tierio.ckpt")
 def _read_path(store: Any) -> dict | None:
     """How restores read this tier's files: O_DIRECT or buffered, as measured (a local directory), else None."""
     way = getattr(store, "read_path", None)
-    return way().to_dict() if callable(way) else None
+    return {**way().to_dict(), "bounced": way(bounced=True).to_dict()} if callable(way) else None
 
 
 class CheckpointManager:
