@@ -3,6 +3,7 @@ resharding; a chunk that fails its checksum while a map is populated sends the f
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from pathlib import Path
 
@@ -227,3 +228,23 @@ def test_a_mapped_tensor_unmaps_its_file_when_dropped_without_waiting_for_gc(tmp
             assert str(shard(tmp_path)) not in Path("/proc/self/maps").read_text()
         finally:
             gc.enable()
+
+
+def test_a_restore_from_s3_fills_tier_0_so_the_next_restore_reads_it_locally(tmp_path, s3_url):
+    from tierio.ckpt import verify
+
+    state = make_state()
+    nvme = tmp_path / "nvme"
+    with CheckpointManager([nvme, s3_url]) as mgr:
+        mgr.save(1, state).wait()
+    shutil.rmtree(nvme)  # a new node, or the node's disk was lost
+    with CheckpointManager([nvme, s3_url]) as mgr:
+        assert_same(mgr.restore(), state)  # streamed from S3 into memory
+        local, s3 = mgr.tiers
+        got = mgr.stats()["restore"]
+        assert got["from"] == s3 and got["fill"] == local and got["mapped_bytes"] == 0
+    assert verify(nvme, 1).ok  # copied behind the restore (the manager waits for it at close), verified
+    with CheckpointManager([nvme, s3_url]) as mgr:
+        assert_same(mgr.restore(), state)
+        got = mgr.stats()["restore"]
+        assert got["from"] == local and got["mapped_bytes"] == nbytes(state) and "fill" not in got
