@@ -124,11 +124,11 @@ def test_o_direct_must_win_clearly_and_bounced_destinations_are_measured_apart(t
     assert MARGIN > 1.1 and close_call.chosen == "buffered"
     forget()
     store = LocalStore(tmp_path)
-    store.put_buffers("f", [memoryview(bytes(range(256)) * (64 << 10))])  # 16 MiB
-    buf = torch.zeros((16 << 20) + 4096, dtype=torch.uint8)
-    addr = buf.data_ptr()
-    lands = buf[(-addr) % 4096:][: 16 << 20]  # address = offset 0 modulo 4 KiB: O_DIRECT lands in it
-    bounces = buf[(64 - addr) % 4096:][: 8 << 20]  # 64 bytes off: O_DIRECT would bounce every byte
+    data = torch.randint(0, 256, (16 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    store.put_buffers("f", [memoryview(data.numpy())])  # 16 MiB
+    a, b = (torch.zeros((16 << 20) + 4096, dtype=torch.uint8) for _ in range(2))
+    lands = a[(-a.data_ptr()) % 4096:][: 16 << 20]  # address = offset 0 modulo 4 KiB: O_DIRECT lands in it
+    bounces = b[(64 - b.data_ptr()) % 4096:][: 8 << 20]  # 64 bytes off: O_DIRECT would bounce every byte
     store.read_into("f", 0, memoryview(lands.numpy()))
     store.read_into("f", 0, memoryview(bounces.numpy()))
     store.read_into("f", 8 << 20, memoryview(bounces.numpy()))
@@ -137,7 +137,7 @@ def test_o_direct_must_win_clearly_and_bounced_destinations_are_measured_apart(t
     if way.chosen is None:  # (a file system without O_DIRECT settles on buffered at once)
         samples = {k: len(v) for k, v in way.rates.items()}, {k: len(v) for k, v in bounced.rates.items()}
         assert samples == ({"direct": 1, "buffered": 0}, {"direct": 1, "buffered": 1})  # each of its own kind
-    assert torch.equal(bounces, lands[8 << 20:])
+    assert torch.equal(lands, data) and torch.equal(bounces, data[8 << 20:])
     forget()
 
 
