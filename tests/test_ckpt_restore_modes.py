@@ -3,6 +3,7 @@ resharding; a chunk that fails its checksum while a map is populated sends the f
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from pathlib import Path
 
@@ -112,6 +113,34 @@ def test_the_read_way_is_chosen_by_measurement_per_file_system():
     assert fast_disk.chosen == "direct" and fast_disk.direct()
 
 
+def test_o_direct_must_win_clearly_and_bounced_destinations_are_measured_apart(tmp_path):
+    from tierio.io.readpath import MARGIN, SAMPLES, ReadPath, forget
+    from tierio.storage.local import LocalStore
+
+    close_call = ReadPath(device=3)
+    for _ in range(SAMPLES):  # O_DIRECT ahead, but within the noise of a loaded machine: buffered
+        close_call.record(True, 1.1e9, 1.0)
+        close_call.record(False, 1e9, 1.0)
+    assert MARGIN > 1.1 and close_call.chosen == "buffered"
+    forget()
+    store = LocalStore(tmp_path)
+    data = torch.randint(0, 256, (16 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    store.put_buffers("f", [memoryview(data.numpy())])  # 16 MiB
+    a, b = (torch.zeros((16 << 20) + 4096, dtype=torch.uint8) for _ in range(2))
+    lands = a[(-a.data_ptr()) % 4096:][: 16 << 20]  # address = offset 0 modulo 4 KiB: O_DIRECT lands in it
+    bounces = b[(64 - b.data_ptr()) % 4096:][: 8 << 20]  # 64 bytes off: O_DIRECT would bounce every byte
+    store.read_into("f", 0, memoryview(lands.numpy()))
+    store.read_into("f", 0, memoryview(bounces.numpy()))
+    store.read_into("f", 8 << 20, memoryview(bounces.numpy()))
+    way, bounced = store.read_path(), store.read_path(bounced=True)
+    assert way is not bounced and bounced.bounced and not way.bounced
+    if way.chosen is None:  # (a file system without O_DIRECT settles on buffered at once)
+        samples = {k: len(v) for k, v in way.rates.items()}, {k: len(v) for k, v in bounced.rates.items()}
+        assert samples == ({"direct": 1, "buffered": 0}, {"direct": 1, "buffered": 1})  # each of its own kind
+    assert torch.equal(lands, data) and torch.equal(bounces, data[8 << 20:])
+    forget()
+
+
 def test_in_place_restore_reads_into_the_given_tensors_bit_exact(tmp_path):
     state = make_state()
     with CheckpointManager([tmp_path]) as mgr:
@@ -199,3 +228,23 @@ def test_a_mapped_tensor_unmaps_its_file_when_dropped_without_waiting_for_gc(tmp
             assert str(shard(tmp_path)) not in Path("/proc/self/maps").read_text()
         finally:
             gc.enable()
+
+
+def test_a_restore_from_s3_fills_tier_0_so_the_next_restore_reads_it_locally(tmp_path, s3_url):
+    from tierio.ckpt import verify
+
+    state = make_state()
+    nvme = tmp_path / "nvme"
+    with CheckpointManager([nvme, s3_url]) as mgr:
+        mgr.save(1, state).wait()
+    shutil.rmtree(nvme)  # a new node, or the node's disk was lost
+    with CheckpointManager([nvme, s3_url]) as mgr:
+        assert_same(mgr.restore(), state)  # streamed from S3 into memory
+        local, s3 = mgr.tiers
+        got = mgr.stats()["restore"]
+        assert got["from"] == s3 and got["fill"] == local and got["mapped_bytes"] == 0
+    assert verify(nvme, 1).ok  # copied behind the restore (the manager waits for it at close), verified
+    with CheckpointManager([nvme, s3_url]) as mgr:
+        assert_same(mgr.restore(), state)
+        got = mgr.stats()["restore"]
+        assert got["from"] == local and got["mapped_bytes"] == nbytes(state) and "fill" not in got

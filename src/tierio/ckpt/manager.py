@@ -51,6 +51,7 @@ from tierio.units import human_bytes, parse_size
 
 from tierio.ckpt.commit import CommitPlan, Waiting, await_commit, build_manifest, commit, drop_record, write_record
 from tierio.ckpt.copy import CopyStats, copy_pool, copy_shard
+from tierio.ckpt.fill import fill_after_restore
 from tierio.ckpt.interval import IntervalPlan, check_mtbf, measured_cost, optimal_interval, save_due
 from tierio.ckpt.gc import TEMP_GRACE, GcOptions, GcTier, collect
 from tierio.ckpt.lease import TierLeases
@@ -73,7 +74,7 @@ log = logging.getLogger("tierio.ckpt")
 def _read_path(store: Any) -> dict | None:
     """How restores read this tier's files: O_DIRECT or buffered, as measured (a local directory), else None."""
     way = getattr(store, "read_path", None)
-    return way().to_dict() if callable(way) else None
+    return {**way().to_dict(), "bounced": way(bounced=True).to_dict()} if callable(way) else None
 
 
 class CheckpointManager:
@@ -412,6 +413,10 @@ class CheckpointManager:
         got = recovery.restore(req, candidates, recovery.Agreement(self._group, self.world_size), step is not None)
         self._note_restore(got.step, got.url)
         self._last_restore = {"step": got.step, "from": got.url, **got.stats.to_dict()}
+        fill = fill_after_restore(self._tiers, got.step, got.url, self.world_size)
+        if fill is not None:  # read from S3: copy it into tier 0 behind, for the next restore (ckpt.fill)
+            self._last_restore["fill"] = fill.dst.url
+            self._promote_pool.submit(fill.run)
         events.emit(events.CheckpointRestored(got.step, got.url, time.perf_counter() - started))
         return got.state
 

@@ -120,9 +120,11 @@ def _landing(name: str, stored: Stored, local: torch.Tensor | None, box: Box) ->
     dtype = torch_dtype(stored.dtype)
     if local is not None and local.device.type == "cpu" and local.is_contiguous() and local.dtype == dtype:
         return Target(name, local, box), None
-    fresh = torch.empty(box.sizes, dtype=dtype)
     if local is None:
-        return Target(name, fresh, box), None
+        # Memory the restore chooses: a shape for now (most such tensors become maps of their
+        # files); ``allocate`` gives real memory to those that are read instead.
+        return Target(name, torch.empty(box.sizes, dtype=dtype, device="meta"), box), None
+    fresh = torch.empty(box.sizes, dtype=dtype)
 
     def finish() -> None:
         with torch.no_grad():
@@ -247,7 +249,7 @@ def load_state(manifest: Manifest, rank: int, into: Any, sources: Sequence[Sourc
     for k, tensor in mapped.tensors.items():
         wants[k].result = tensor
     rest = [w for k, w in wants.items() if k not in mapped.tensors]
-    prefault([w for w in rest if w.fresh and w.target.dest.numel()])
+    allocate([w for w in rest if w.fresh])
     read_from = {**mapped.read_from, **read_all(manifest, loaded, [(w.stored, w.target) for w in rest], sources)}
     stats.mapped_bytes = mapped.nbytes
     stats.read_bytes = sum(w.target.dest.numel() * w.target.dest.element_size() for w in rest)
@@ -268,24 +270,32 @@ def load_state(manifest: Manifest, rank: int, into: Any, sources: Sequence[Sourc
 PREFAULT_MIN = 1 << 20  # below this, torch.empty's own faults cost less than an arena
 
 
-def prefault(wants: list[_Want]) -> None:
-    """New tensors the restore reads into (not mapped: on S3, spread over several files, or
-    ``mapped=False``) are carved out of one huge-page arena faulted in by several threads before
-    the reads: first-touch faults of 4 KiB pages cost more than the read on virtual machines."""
+def allocate(wants: list[_Want]) -> None:
+    """Memory for the new tensors the restore reads into (not mapped: on S3, spread over several
+    files, or ``mapped=False``): carved out of one huge-page arena faulted in by several threads
+    before the reads (first-touch faults of 4 KiB pages cost more than the read on virtual
+    machines), or plain tensors when they are empty or below PREFAULT_MIN in all."""
     sizes = [w.target.dest.numel() * w.target.dest.element_size() for w in wants]
-    if sum(sizes) < PREFAULT_MIN:
+    big = sum(sizes) >= PREFAULT_MIN
+    carved = [(w, n) for w, n in zip(wants, sizes) if big and n]
+    for w in (w for w, n in zip(wants, sizes) if not (big and n)):
+        _land(w, torch.empty(w.target.dest.shape, dtype=w.target.dest.dtype))
+    if not carved:
         return
     offsets, total = [], 0
-    for n in sizes:
+    for _, n in carved:
         offsets.append(total)
         total += align_up(n, 64)  # every tensor starts on a cache line
     arena = Arena(total)
     arena.populate_all()
-    for w, at, n in zip(wants, offsets, sizes):
+    for (w, n), at in zip(carved, offsets):
         dest = w.target.dest
-        fresh = arena.typed(at, dest.dtype, dest.numel()).view(dest.shape)
-        w.target = Target(w.target.name, fresh, w.target.box)
-        w.result = fresh
+        _land(w, arena.typed(at, dest.dtype, dest.numel()).view(dest.shape))
+
+
+def _land(w: _Want, fresh: torch.Tensor) -> None:
+    w.target = Target(w.target.name, fresh, w.target.box)
+    w.result = fresh
 
 
 def read_all(manifest: Manifest, loaded: Loaded, wanted: list[tuple[Stored, Target]],

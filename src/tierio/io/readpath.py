@@ -7,6 +7,18 @@ alternate between the two ways (the same windows of the same restore, under the 
 their throughputs are compared; from then on the faster way is used on that file system (per
 process). Reads of bytes already in the page cache are not samples: readers check residency
 first and read those buffered, at the speed of a memcpy.
+
+O_DIRECT must win clearly (by ``MARGIN``) to be chosen: buffered reads are what most readers use
+(torch.load, dcp.load), so a restore that reads buffered is never slower than they are on the same
+disk, while a close call between two noisy samples under load (a shared machine, other jobs
+reading) flipped between runs and sometimes settled on the slower way.
+
+Reads into destinations O_DIRECT cannot land in (the address and the file offset differ modulo
+4 KiB: most tensors restored in place) are a separate choice (``bounced``): O_DIRECT reads those
+into a bounce buffer and copies, which is a different trade against buffered reads (the same one
+copy, without the kernel's readahead, without page-cache pages) and usually loses where buffered
+beats in-place O_DIRECT; mixing both kinds of samples chose O_DIRECT for destinations it then
+bounced every byte of.
 """
 
 from __future__ import annotations
@@ -21,13 +33,16 @@ from tierio.units import MiB
 SAMPLE_BYTES = 4 * MiB  # smaller reads say more about latency than about the way of reading
 SAMPLES = 3  # cold reads of each way before choosing
 RESIDENT = 0.5  # a read at least this much in the page cache is buffered (a memcpy), whatever the way
+MARGIN = 1.2  # O_DIRECT is chosen only when its median beats buffered's by this factor
 
 
 @dataclass
 class ReadPath:
-    """The read way of one file system (``device``: its st_dev): measuring, then chosen."""
+    """The read way of one file system (``device``: its st_dev): measuring, then chosen.
+    ``bounced``: the way for destinations O_DIRECT would have to bounce (see the module docstring)."""
 
     device: int
+    bounced: bool = False
     rates: dict[str, list[float]] = field(default_factory=lambda: {"direct": [], "buffered": []})
     chosen: str | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -53,7 +68,7 @@ class ReadPath:
             self.rates["direct" if direct else "buffered"].append(nbytes / seconds)
             if self.chosen is None and all(len(v) >= SAMPLES for v in self.rates.values()):
                 d, b = (statistics.median(self.rates[k]) for k in ("direct", "buffered"))
-                self.chosen = "direct" if d >= b else "buffered"
+                self.chosen = "direct" if d >= MARGIN * b else "buffered"
 
     def settle(self, way: str) -> None:
         """Choose ``way`` without measuring (the other one is not available here)."""
@@ -67,21 +82,22 @@ class ReadPath:
                     "buffered_gb_per_s": med["buffered"]}
 
 
-_paths: dict[int, ReadPath] = {}
+_paths: dict[tuple[int, bool], ReadPath] = {}
 _paths_lock = threading.Lock()
 
 
-def read_path(device: int) -> ReadPath:
-    """The (process-wide) read way of the file system with st_dev ``device``."""
+def read_path(device: int, *, bounced: bool = False) -> ReadPath:
+    """The (process-wide) read way of the file system with st_dev ``device`` (for destinations
+    O_DIRECT would bounce, with ``bounced``)."""
     with _paths_lock:
-        rp = _paths.get(device)
+        rp = _paths.get((device, bounced))
         if rp is None:
-            rp = _paths[device] = ReadPath(device)
+            rp = _paths[(device, bounced)] = ReadPath(device, bounced)
         return rp
 
 
-def read_path_of(path: str | os.PathLike) -> ReadPath:
-    return read_path(os.stat(path).st_dev)
+def read_path_of(path: str | os.PathLike, *, bounced: bool = False) -> ReadPath:
+    return read_path(os.stat(path).st_dev, bounced=bounced)
 
 
 def forget() -> None:

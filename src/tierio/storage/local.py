@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tierio.errors import FormatError, NotFoundError
+from tierio.io.buffers import ALIGN, address_of
 from tierio.io.durable import atomic_copy, atomic_write, is_temp, temp_name
 from tierio.io.files import hold_write_lock, os_error, pwrite_all, read_into, writer_gone
 from tierio.io.limiter import TokenBucket
@@ -34,7 +35,7 @@ class LocalStore:
         self.root = Path(root).expanduser().absolute()
         self.direct = direct
         self.limiter = limiter
-        self._read_path: ReadPath | None = None
+        self._read_paths: dict[bool, ReadPath] = {}
         if create:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -114,15 +115,18 @@ class LocalStore:
         except OSError as exc:
             raise os_error(exc, self.root / key, "opening") from exc
 
-    def read_path(self) -> ReadPath:
-        """How large reads of this directory's file system go, O_DIRECT or buffered (io.readpath)."""
-        if self._read_path is None:
-            self._read_path = read_path_of(self.root)
-        return self._read_path
+    def read_path(self, *, bounced: bool = False) -> ReadPath:
+        """How large reads of this directory's file system go, O_DIRECT or buffered (io.readpath);
+        ``bounced``: into destinations O_DIRECT cannot land in."""
+        if bounced not in self._read_paths:
+            self._read_paths[bounced] = read_path_of(self.root, bounced=bounced)
+        return self._read_paths[bounced]
 
     def read_into(self, key: str, offset: int, buf: memoryview) -> int:
         """Large reads take the read way measured for this filesystem (io.readpath), and bytes
-        already in the page cache are copied from there (buffered) rather than read again."""
+        already in the page cache are copied from there (buffered) rather than read again. A
+        destination O_DIRECT cannot land in (its address and ``offset`` differ modulo 4 KiB: most
+        tensors restored in place) has its own measured way: O_DIRECT would bounce and copy it."""
         n = memoryview(buf).nbytes
         if not self.direct or n < SAMPLE_BYTES:
             return self._read(key, offset, buf, direct=self.direct)
@@ -133,7 +137,7 @@ class LocalStore:
                 return len(buf)
         finally:
             os.close(fd)
-        way = self.read_path()
+        way = self.read_path(bounced=(address_of(memoryview(buf)) - offset) % ALIGN != 0)
         want = way.direct()
         t0 = time.perf_counter()
         direct = self._read(key, offset, buf, direct=want)
