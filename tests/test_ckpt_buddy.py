@@ -134,3 +134,14 @@ def test_pairing_is_node_to_next_node_by_local_index():
 def test_buddy_needs_a_node_local_tier0(tmp_path):
     with pytest.raises(ConfigError, match="node-local tier 0"):
         CheckpointManager([tmp_path / "a", tmp_path / "b"], buddy=True)
+
+
+def test_one_node_makes_no_copies(tmp_path, caplog):
+    """buddy=True on one node: a log line says so, and saves go on as without it."""
+    with caplog.at_level(logging.INFO, logger="tierio.ckpt"):
+        with CheckpointManager([Tier(tmp_path / "nvme", scope="node"), tmp_path / "shared"], buddy=True) as mgr:
+            h = mgr.save(1, state(0, 1, 4))
+            h.wait(timeout=60)
+            assert h.buddied.result(timeout=60) is None
+    assert any("buddy copies are off" in r.getMessage() for r in caplog.records)
+    assert not (tmp_path / "nvme" / "buddy").exists()

@@ -51,7 +51,7 @@ log = logging.getLogger("tierio.ckpt")
 
 BUDDY_DIR = "buddy"
 _NODE_DIR = re.compile(r"[A-Za-z0-9_.-]{1,200}")
-_NOTHING = -1  # a header's record length when no copy follows (the save failed, the copy is unreadable)
+_NOTHING = -1  # a header's step when no copy follows (the save failed, the copy is unreadable)
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,9 @@ def pair(names: Sequence[str], rank: int) -> Pairing:
     return Pairing(len(nodes), nodes[(i + 1) % len(nodes)][j], nodes[src][j], source_node)
 
 
-def held_key(node: str, step: int, name: str) -> str:
-    return f"{BUDDY_DIR}/{node}/{step_dir(step)}/{name}"
+def held_dir(node: str, step: int) -> str:
+    """Where a node's tier 0 keeps the copies of ``node``'s ranks' parts of ``step``."""
+    return f"{BUDDY_DIR}/{node}/{step_dir(step)}"
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,9 @@ class Buddy:
         all_gather_object over ``group``, then ``new_group`` when there is more than one node)."""
         import torch.distributed as dist
 
+        if world_size == 1:
+            log.info("buddy copies are off: one rank, one node, so there is no partner node")
+            return Buddy(store, rank, world_size, None, retention)
         if group is None:
             raise ConfigError("buddy copies travel over torch.distributed: initialise a process group first "
                               "(torchrun, dist.init_process_group)")
@@ -276,7 +280,7 @@ class Buddy:
         got = transfer(link, [(link.pairing.partner, out)], link.pairing.source)
         if got is None:
             return None
-        base = f"{BUDDY_DIR}/{link.pairing.source_node}/{step_dir(got.step)}"
+        base = held_dir(link.pairing.source_node, got.step)
         label = f"the buddy copy of rank {link.pairing.source}'s step {got.step} from node {link.pairing.source_node}"
         entry = check_parcel(got, link.pairing.source, self.world_size, label)
         store_parcel(self.store, base, got, entry)
