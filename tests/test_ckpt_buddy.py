@@ -145,3 +145,57 @@ def test_one_node_makes_no_copies(tmp_path, caplog):
             assert h.buddied.result(timeout=60) is None
     assert any("buddy copies are off" in r.getMessage() for r in caplog.records)
     assert not (tmp_path / "nvme" / "buddy").exists()
+
+
+def _saved_part(tmp_path) -> tuple:
+    """Rank 0's record and shard of step 1 as a one-rank save with a node-local tier 0 left them."""
+    from tierio.ckpt.buddy import read_parcel
+    from tierio.storage import open_store
+
+    with CheckpointManager([Tier(tmp_path / "nvme", scope="node"), tmp_path / "shared"]) as mgr:
+        mgr.save(1, state(0, 1, 8)).wait(timeout=60)
+    store = open_store(str(tmp_path / "nvme"))
+    rec = next(p for p in os.listdir(tmp_path / "nvme" / "step_000000001") if p.endswith(".json"))
+    return store, read_parcel(store, 1, f"step_000000001/{rec}", "step_000000001/rank_00000.safetensors")
+
+
+def test_a_copy_is_checked_against_its_record_before_it_is_kept(tmp_path):
+    from dataclasses import replace
+
+    from tierio.ckpt.buddy import check_parcel
+    from tierio.errors import FormatError, IntegrityError
+
+    _, parcel = _saved_part(tmp_path)
+    assert check_parcel(parcel, 0, 1, "copy").file == "rank_00000.safetensors"
+    bad = parcel.shard.clone()
+    bad[-1] ^= 0xFF
+    with pytest.raises(IntegrityError, match="checksum mismatch in copy, tensor 'w'"):
+        check_parcel(replace(parcel, shard=bad), 0, 1, "copy")
+    with pytest.raises(IntegrityError, match="bytes, its record says"):
+        check_parcel(replace(parcel, shard=parcel.shard[:-1]), 0, 1, "copy")
+    with pytest.raises(FormatError, match="not a record of rank 1"):
+        check_parcel(parcel, 1, 1, "copy")  # another rank's copy
+    with pytest.raises(IntegrityError, match="does not match its name"):
+        check_parcel(replace(parcel, record=parcel.record.replace(b'"step":1', b'"step":2')), 0, 1, "copy")
+    with pytest.raises(FormatError, match="world size"):
+        check_parcel(parcel, 0, 2, "copy")  # saved by another world size
+
+
+def test_a_step_is_restorable_from_node_copies_only_when_every_rank_has_a_part(tmp_path):
+    from tierio.ckpt.buddy import Part, plan_steps
+
+    def own(r: int, step: int, token: str = "aa") -> Part:
+        return Part(r, step, token, f"step_{step:09d}/rank_{r:05d}.{token}.{'0' * 16}.json", r)
+
+    def held(r: int, step: int, holder: int, token: str = "aa") -> Part:
+        return Part(r, step, token, f"buddy/n/step_{step:09d}/rank_{r:05d}.{token}.{'0' * 16}.json", holder)
+
+    found = [[own(0, 5), own(0, 6), held(1, 5, 0), held(1, 6, 0)],  # rank 1's node was lost
+             [],
+             [own(2, 5), own(2, 6, token="bb"), held(0, 5, 2)]]
+    plans = plan_steps(found, 3)
+    # step 6: rank 2's part is of another run (token), so no complete set
+    assert sorted(plans) == [5]
+    assert plans[5].fetches() == {1: held(1, 5, 0)}  # own copies win over held ones
+    assert plans[5].parts[0] == own(0, 5)
+    assert plan_steps(found, 4) == {}  # rank 3 has no part anywhere
