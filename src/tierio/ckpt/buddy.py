@@ -236,6 +236,10 @@ class Buddy:
         if group is None:
             raise ConfigError("buddy copies travel over torch.distributed: initialise a process group first "
                               "(torchrun, dist.init_process_group)")
+        if [dist.get_global_rank(group, r) for r in range(world_size)] != list(range(dist.get_world_size())):
+            # the buddy group is made over the whole job, and its ranks are the manager's ranks
+            raise ConfigError("buddy copies need the manager on the whole job's process group (the default one), "
+                              "not a subgroup")
         names: list[Any] = [None] * world_size
         dist.all_gather_object(names, node, group=group)
         pairing = pair(names, rank)
