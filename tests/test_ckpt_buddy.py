@@ -118,6 +118,37 @@ def test_lost_node_restores_from_its_buddy_and_a_corrupt_copy_is_refused(tmp_pat
     tmp.start_processes(restore_worker, args=(root, f"file://{root}/pg2"), nprocs=4, start_method="spawn")
 
 
+def ring_worker(rank: int, root: str, init: str, phase: str) -> None:
+    """Three nodes of one rank: node i keeps node i-1's copies, so partner and source differ."""
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=3)
+    tiers = [Tier(f"{root}/node{rank}", scope="node"), Tier(f"{root}/shared")]
+    if phase == "save":
+        mgr = CheckpointManager(tiers, node=f"node{rank}", buddy=True, commit_timeout=60, promote_bandwidth=1000,
+                                buddy_bandwidth=0)
+        h = mgr.save(7, state(rank, 7, LARGE))
+        assert h.buddied.result(timeout=60) == 7
+        assert not h.committed.done()
+        dist.barrier()
+        os._exit(0)  # nothing reached the shared tier
+    try:
+        with CheckpointManager(tiers, node=f"node{rank}", buddy=True, commit_timeout=60) as mgr:
+            assert mgr.steps() == []  # the shared tier has nothing
+            out = mgr.restore()
+            assert mgr.restored_step == 7 and same(out, state(rank, 7, LARGE))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_three_nodes_in_a_ring_restore_a_lost_node_from_the_next_one(tmp_path):
+    root = str(tmp_path)
+    tmp.start_processes(ring_worker, args=(root, f"file://{root}/pg1", "save"), nprocs=3, start_method="spawn")
+    for n in range(3):  # node n keeps node n-1's copy
+        assert os.listdir(tmp_path / f"node{n}" / "buddy") == [f"node{(n - 1) % 3}"]
+    shutil.rmtree(tmp_path / "node1")  # its copy is on node 2
+    tmp.start_processes(ring_worker, args=(root, f"file://{root}/pg2", "restore"), nprocs=3, start_method="spawn")
+    assert (tmp_path / "node1" / "step_000000007" / "rank_00001.safetensors").exists()  # written back
+
+
 def test_pairing_is_node_to_next_node_by_local_index():
     names = ["a", "a", "b", "b", "c", "c"]
     p = pair(names, 3)
