@@ -230,3 +230,27 @@ def test_a_step_is_restorable_from_node_copies_only_when_every_rank_has_a_part(t
     assert plans[5].fetches() == {1: held(1, 5, 0)}  # own copies win over held ones
     assert plans[5].parts[0] == own(0, 5)
     assert plan_steps(found, 4) == {}  # rank 3 has no part anywhere
+
+
+def refused_worker(rank: int, root: str, init: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    tiers = [Tier(f"{root}/tmpfs" if rank == 0 else f"{root}/node1", scope="node"), Tier(f"{root}/shared")]
+    mgr = CheckpointManager(tiers, node=f"node{rank}", buddy=True, commit_timeout=60)
+    if rank == 0:  # node 0's disk is too small for this step: save refuses it at once
+        from tierio.errors import DiskFullError
+
+        with pytest.raises(DiskFullError):
+            mgr.save(1, state(0, 1, 17 * 1024))  # 68 MiB on a 64 MiB tmpfs
+    else:
+        h = mgr.save(1, state(1, 1, SMALL))
+        assert h.buddied.result(timeout=60) is None  # node 0 had nothing to send, and said so
+    h = mgr.save(2, state(rank, 2, SMALL))
+    assert h.buddied.result(timeout=60) == 2  # the exchanges stay in step
+    dist.barrier()
+    os._exit(0)
+
+
+def test_a_refused_save_does_not_leave_the_partner_waiting(tmp_path, small_tmpfs):
+    root = str(tmp_path)
+    tmp.start_processes(refused_worker, args=(root, f"file://{root}/pg"), nprocs=2, start_method="spawn")
+    assert os.listdir(tmp_path / "node1" / "buddy" / "node0") == ["step_000000002"]

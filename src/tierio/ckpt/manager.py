@@ -167,13 +167,18 @@ class CheckpointManager:
     def save(self, step: int, state: Any) -> SaveHandle:
         """Snapshot ``state`` into staging memory and return; persist and promotion run behind."""
         t0 = time.perf_counter()
-        rollback = self._begin(step)
-        flat = flatten(state)
-        tensors, places = to_write(flat)
         handle = SaveHandle(step)
         if self._buddy is None:
             handle.buddied.set_result(None)
-        job = self._staged(step, tensors, places, flat.tree, rollback, handle, overlap=self._overlap is not None)
+        try:
+            rollback = self._begin(step)
+            flat = flatten(state)
+            tensors, places = to_write(flat)
+            job = self._staged(step, tensors, places, flat.tree, rollback, handle, overlap=self._overlap is not None)
+        except BaseException:
+            if self._buddy is not None:  # each save is one exchange with the partner: it must not wait for this one
+                self._buddy.send(step, None, handle.buddied)
+            raise
         handle.blocking_seconds = time.perf_counter() - t0
         if job.snapshot is None:
             handle.staged.set_result(step)
@@ -576,6 +581,7 @@ class CheckpointManager:
     def _persist(self, handle: SaveHandle, job: Staged) -> None:
         step = handle.step
         own: Own | None = None
+        exchanged = False  # buddy=True: this step's exchange with the partner is under way
         try:
             start = time.perf_counter()
             own, lineage = self._write(step, job, self.world_size > 1 or self._tiers[0].node_local)
@@ -584,6 +590,7 @@ class CheckpointManager:
                     self._unpublished[step] = (own, lineage)
                 if self._buddy is not None:
                     self._buddy.send(step, own.record.name if own.record is not None else None, handle.buddied)
+                    exchanged = True
             else:
                 commit_on(self._cluster, self._tiers[0].store, step, own, lineage)
                 handle.committed.set_result(step)
@@ -599,7 +606,7 @@ class CheckpointManager:
                 if self._error is None and not (job.snapshot is not None and job.snapshot.reported):
                     self._error = exc
             self._staging.wake()  # a save waiting for a buffer raises this error instead
-            if self._buddy is not None and not handle.buddied.done():
+            if self._buddy is not None and not exchanged:
                 self._buddy.send(step, None, handle.buddied)  # the partner must not wait for it
             handle.fail(exc)
             log.error("checkpoint of step %d failed: %s", step, exc)
