@@ -254,3 +254,4 @@ def test_a_refused_save_does_not_leave_the_partner_waiting(tmp_path, small_tmpfs
     root = str(tmp_path)
     tmp.start_processes(refused_worker, args=(root, f"file://{root}/pg"), nprocs=2, start_method="spawn")
     assert os.listdir(tmp_path / "node1" / "buddy" / "node0") == ["step_000000002"]
+

@@ -270,7 +270,10 @@ class Buddy:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller through ``done``
                 log.warning("rank %d: buddy exchange of step %d failed: %s", self.rank, step, exc)
                 done.set_exception(exc)
-        self._pool.submit(run)
+        try:
+            self._pool.submit(run)
+        except RuntimeError:  # closed: a save on a closed manager is refused, and exchanges nothing
+            done.set_result(None)
 
     def _exchange(self, step: int, record_name: str | None) -> int | None:
         link = self.link
