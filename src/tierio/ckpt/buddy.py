@@ -5,16 +5,18 @@ and a node that dies before that takes its ranks' shards with it. With ``buddy=T
 also sends its shard and record of every step it saved to its partner: the rank of the same local
 index on the next node (node i -> node (i + 1) % nodes, nodes ordered by their lowest rank). The
 partner verifies every chunk against the record and keeps the copy under its own tier 0, at
-``buddy/<source node>/step_<n>/`` (the record last: a copy counts once its record is there); it
-keeps the newest ``keep`` steps of each source node there.
+``buddy/<source node>/step_<n>/`` (the record last: a copy counts once its record is there);
+tier 0's retention applies to the copies of each source node, and a rollback retires the copies
+of the abandoned steps as it does the node's own.
 
 Transport: ``torch.distributed`` point-to-point over a gloo group made for this alone (``new_group``
 at construction, in the caller's thread, by every rank). After construction only the buddy thread
 uses that group while saves run, and the caller's thread uses it in ``restore`` once the buddy
 thread is idle: one user at a time, so its messages never interleave and no collective of the
 training group ever runs on a background thread. Every step costs each rank one exchange with its
-two neighbours (a header, then the bytes), under its own bandwidth limit; a failed save sends an
-empty header, so the partner never waits for bytes that will not come.
+two neighbours (a header, then the bytes), under its own bandwidth limit; a save that fails or is
+refused sends an empty header, so the partner never waits for bytes that will not come and the
+exchanges stay in step.
 
 Restore: a step that is not on the shared tier yet is restorable when each rank's record of it
 (of one run) is on its node's tier 0 or held by a buddy, with the world size of the save. The
