@@ -126,6 +126,37 @@ def _persist(work: Path, rank: int, world: int, size: int, tensors: int, repeat:
             "cpu_s": statistics.median(cpus)}  # CPU seconds of all ranks per save, staging to durable
 
 
+def _buddy(work: Path, rank: int, world: int, size: int, repeat: int) -> dict[str, Any]:
+    """Two "nodes" of world/2 ranks, node-local tier 0, buddy=True: how long each rank's exchange
+    with its partner takes once its shard is durable (it runs behind save, on its own thread)."""
+    import torch.distributed as dist
+
+    from tierio.bench.ckpt import make_state, state_nbytes
+    from tierio.ckpt import CheckpointManager, KeepLast, Tier
+
+    node = rank // (world // 2)
+    state = make_state(size // world, 4, seed=rank)
+    tiers = [Tier(str(work / f"buddy-node{node}"), KeepLast(2), scope="node"), Tier(str(work / "buddy-shared"), KeepLast(2))]
+    spans, blocks = [], []
+    with CheckpointManager(tiers, min_keep=1, node=f"node{node}", buddy=True, buddy_bandwidth=0) as mgr:
+        for step in range(1, repeat + 2):
+            state["step"] = step
+            dist.barrier()
+            h = mgr.save(step, state)
+            h.persisted.result()
+            t1 = time.time()
+            h.buddied.result()
+            got: list[Any] = [None] * world
+            dist.all_gather_object(got, (t1, time.time(), h.blocking_seconds))
+            h.wait()
+            if step > 1:
+                spans.append(max(g[1] for g in got) - min(g[0] for g in got))
+                blocks.append(max(g[2] for g in got))
+    nbytes = state_nbytes(state) * world
+    return {"bytes": nbytes, "exchange_s": statistics.median(spans), "exchange_bytes_per_s": nbytes / statistics.median(spans),
+            "save_blocking_s": statistics.median(blocks)}  # every rank sends its shard and receives its source's
+
+
 def _replicated(work: Path, rank: int, world: int, size: int) -> dict[str, Any]:
     """Half the bytes Shard(0), half Replicate: bytes written / unique bytes."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -220,6 +251,9 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any], init: str) -> None:
             _log("half-replicated state")
         result["replicated"] = _replicated(work, rank, world, cfg["size"] // 4)
         if rank == 0:
+            _log("buddy copies: two nodes of half the ranks, each rank's shard to the other node")
+        result["buddy"] = _buddy(work, rank, world, cfg["size"] // 4, cfg["repeat"])
+        if rank == 0:
             (work / "result.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -266,7 +300,7 @@ def run_ranks(args: Any) -> dict[str, Any]:
         "met": common.check_targets(ratios, TARGETS),
         "fio": {"write_bytes_per_s": fio, "jobs": world, "read_bytes_per_s": fio_read},
         "persist": {**p, "write_bytes_per_s": p["bytes"] / p["write_s"], "persist_bytes_per_s": p["bytes"] / p["persist_s"]},
-        "dcp": d, "replicated": rep,
+        "dcp": d, "replicated": rep, "buddy": r["buddy"],
         "extra_ratios": {
             "multirank_persist_end_to_end_vs_fio": p["bytes"] / p["persist_s"] / fio,
             # how close each reader comes to the disk (fio O_DIRECT read with as many jobs as readers)

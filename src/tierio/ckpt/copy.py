@@ -52,18 +52,25 @@ def copy_shard(src: Store, dst: Store, step: int, entry: RankEntry, pool: Buffer
     return CopyStats(entry.bytes, time.perf_counter() - t0, 1)
 
 
+def verify_chunks(view: memoryview, entry: RankEntry, label: str, then: str) -> None:
+    """Every chunk of ``entry`` in ``view`` (its shard's bytes) against its xxh3; IntegrityError
+    naming ``label``, the tensor and the chunk, followed by ``then`` (what is not done), otherwise."""
+    for t in entry.tensors.values():
+        for i, c in enumerate(t.chunks):
+            if c.end > len(view):
+                raise IntegrityError(f"{label} is {len(view)} bytes, too short for tensor {t.name!r} chunk {i}; {then}")
+            got = xxh3(view[c.begin : c.end])
+            if got != c.xxh3:
+                raise IntegrityError(
+                    f"checksum mismatch in {label}, tensor {t.name!r} chunk {i}: expected {c.xxh3}, got {got}; {then}"
+                )
+
+
 def _copy_verified(src: Store, dst: Store, key: str, entry: RankEntry, view: memoryview,
                    limiter: TokenBucket | None) -> None:
     if entry.bytes:
         src.read_into(key, 0, view)
-    for t in entry.tensors.values():
-        for i, c in enumerate(t.chunks):
-            got = xxh3(view[c.begin : c.end])
-            if got != c.xxh3:
-                raise IntegrityError(
-                    f"checksum mismatch in {where(src, key)}, tensor {t.name!r} chunk {i}: expected {c.xxh3}, got {got}; "
-                    "not promoting a corrupt copy"
-                )
+    verify_chunks(view, entry, where(src, key), "not promoting a corrupt copy")
     if limiter is not None and getattr(dst, "limiter", None) is None:
         limiter.consume(entry.bytes)
     dst.put_buffers(key, [view])

@@ -56,6 +56,7 @@ from tierio.ckpt.interval import IntervalPlan, check_mtbf, measured_cost, optima
 from tierio.ckpt.gc import TEMP_GRACE, GcOptions, GcTier, collect
 from tierio.ckpt.lease import TierLeases
 from tierio.ckpt.lineage import Lineage, Rollback
+from tierio.ckpt.buddy import Buddy, agree as agree_node_copies
 from tierio.ckpt.nodes import agree_job, gather, group_joined
 from tierio.ckpt.options import CheckpointOptions
 from tierio.ckpt.overlap import Overlap
@@ -106,6 +107,7 @@ class CheckpointManager:
                                   wait_timeout=opts.commit_timeout)
         self._cluster = Cluster(self.rank, self.world_size, job.node, self._leases, Waiting(opts.commit_timeout),
                                 self.limiter, copy_pool(), opts.inline_records)
+        self._buddy = self._setup_buddy(rate) if opts.buddy else None
         self.memory_budget = parse_size(opts.memory_budget) if isinstance(opts.memory_budget, str) else opts.memory_budget
         self.slots = 2 if opts.double_buffer else 1
         self.min_keep = opts.min_keep
@@ -137,6 +139,17 @@ class CheckpointManager:
         # The scan of slower tiers runs behind construction: a stalled tier must not block it.
         self._scan = self._promote_pool.submit(self._find_unpromoted)
 
+    def _setup_buddy(self, promote_rate: float | None) -> Buddy:
+        """Buddy copies (``ckpt.buddy``): the pairing and the buddy group, made here, in the caller's thread."""
+        opts, t0 = self.options, self._tiers[0]
+        if not t0.node_local:
+            raise ConfigError("buddy=True copies each node's tier 0 to another node: it needs a node-local tier 0, "
+                              "e.g. Tier('/nvme/ckpt', scope='node')")
+        rate = parse_size(opts.buddy_bandwidth) if isinstance(opts.buddy_bandwidth, str) else opts.buddy_bandwidth
+        rate = promote_rate if rate is None else rate
+        return Buddy.setup(t0.store, self.rank, self.world_size, self._group, self.node, rate or None,
+                           opts.commit_timeout, t0.tier.retention)
+
     # -- public API ------------------------------------------------------------------------------
     @property
     def tiers(self) -> list[str]:
@@ -155,11 +168,18 @@ class CheckpointManager:
     def save(self, step: int, state: Any) -> SaveHandle:
         """Snapshot ``state`` into staging memory and return; persist and promotion run behind."""
         t0 = time.perf_counter()
-        rollback = self._begin(step)
-        flat = flatten(state)
-        tensors, places = to_write(flat)
         handle = SaveHandle(step)
-        job = self._staged(step, tensors, places, flat.tree, rollback, handle, overlap=self._overlap is not None)
+        if self._buddy is None:
+            handle.buddied.set_result(None)
+        try:
+            rollback = self._begin(step)
+            flat = flatten(state)
+            tensors, places = to_write(flat)
+            job = self._staged(step, tensors, places, flat.tree, rollback, handle, overlap=self._overlap is not None)
+        except BaseException:
+            if self._buddy is not None:  # each save is one exchange with the partner: it must not wait for this one
+                self._buddy.send(step, None, handle.buddied)
+            raise
         handle.blocking_seconds = time.perf_counter() - t0
         if job.snapshot is None:
             handle.staged.set_result(step)
@@ -408,8 +428,14 @@ class CheckpointManager:
         # point); promotions are not waited for, so a stalled slower tier never holds up a restore.
         self._drain(promotions=False)
         started = time.perf_counter()
-        candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
-        req = recovery.Request(self.rank, self.world_size, into, per_rank, self._tiers, self.sources, mapped=mapped)
+        shared = self.steps()
+        copies = None
+        if self._buddy is not None and self._buddy.active:
+            self._buddy.idle()  # the buddy group is this thread's now
+            copies = agree_node_copies(self._buddy, self._group, shared)
+        candidates = [step] if step is not None else sorted(set(shared) | set(copies.plans if copies else ()), reverse=True)
+        req = recovery.Request(self.rank, self.world_size, into, per_rank, self._tiers, self.sources, mapped=mapped,
+                               node_copies=copies)
         got = recovery.restore(req, candidates, recovery.Agreement(self._group, self.world_size), step is not None)
         self._note_restore(got.step, got.url)
         self._last_restore = {"step": got.step, "from": got.url, **got.stats.to_dict()}
@@ -485,6 +511,8 @@ class CheckpointManager:
             self._persist_pool.shutdown(wait=True)
             self._checksum_pool.shutdown(wait=True)
             self._promote_pool.shutdown(wait=True)
+            if self._buddy is not None:
+                self._buddy.close()
             self._leases.close()
             self._staging.close()
             if self._pending:
@@ -558,12 +586,16 @@ class CheckpointManager:
     def _persist(self, handle: SaveHandle, job: Staged) -> None:
         step = handle.step
         own: Own | None = None
+        exchanged = False  # buddy=True: this step's exchange with the partner is under way
         try:
             start = time.perf_counter()
             own, lineage = self._write(step, job, self.world_size > 1 or self._tiers[0].node_local)
             if self._tiers[0].node_local:
                 with self._lock:
                     self._unpublished[step] = (own, lineage)
+                if self._buddy is not None:
+                    self._buddy.send(step, own.record.name if own.record is not None else None, handle.buddied)
+                    exchanged = True
             else:
                 commit_on(self._cluster, self._tiers[0].store, step, own, lineage)
                 handle.committed.set_result(step)
@@ -579,6 +611,8 @@ class CheckpointManager:
                 if self._error is None and not (job.snapshot is not None and job.snapshot.reported):
                     self._error = exc
             self._staging.wake()  # a save waiting for a buffer raises this error instead
+            if self._buddy is not None and not exchanged:
+                self._buddy.send(step, None, handle.buddied)  # the partner must not wait for it
             handle.fail(exc)
             log.error("checkpoint of step %d failed: %s", step, exc)
             return
@@ -643,6 +677,10 @@ class CheckpointManager:
         t0 = self._tiers[0]
         if self._cluster.leads(t0):
             rollback.retire_dirs(t0.store)
+            if self._buddy is not None:
+                with self._lock:
+                    saved = set(self._saved_since_restore)
+                self._buddy.retire_after(rollback.after, saved)
 
     def _cleanup_failed(self, step: int, own: Own | None) -> None:
         """Remove this rank's partial files of a failed step (frees space after a full disk)."""

@@ -27,7 +27,12 @@ class CheckpointOptions:
     between failures in seconds, which turns on ``CheckpointManager.should_save`` (Young/Daly's
     interval from the measured cost of saves, ``ckpt.interval``); ``overlap``: zero-stall snapshots,
     ``save`` returns before the large tensors are copied and the next update waits for the copy
-    (``attach(optimizer)`` or ``before_update()``; the rule the caller keeps: ``ckpt.overlap``)."""
+    (``attach(optimizer)`` or ``before_update()``; the rule the caller keeps: ``ckpt.overlap``);
+    ``buddy``: with a node-local tier 0, each rank also sends its part of every step to the rank of
+    the same local index on the next node, which keeps it on its tier 0, so that a lost node's
+    ranks restore from it before the step reaches the shared tier (``ckpt.buddy``);
+    ``buddy_bandwidth``: limit on what each rank sends to its buddy (bytes/s or text; default the
+    ``promote_bandwidth``, 0: no limit)."""
 
     memory_budget: int | str | None = None
     double_buffer: bool = False
@@ -41,6 +46,8 @@ class CheckpointOptions:
     inline_records: int = INLINE_RECORD_BYTES
     mtbf: float | None = None
     overlap: bool = False
+    buddy: bool = False
+    buddy_bandwidth: float | str | None = None
 
     def with_overrides(self, overrides: dict[str, Any]) -> CheckpointOptions:
         """These options with keyword arguments (the manager's older keywords) applied."""

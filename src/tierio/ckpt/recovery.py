@@ -8,7 +8,8 @@ process group each rank chooses alone.
 
 For one step, the manifest comes from the fastest shared tier whose copy reads; a tier whose copy
 is unusable is passed over with a warning naming it. Files come from the node's local tiers first
-(ckpt.restore).
+(ckpt.restore). With buddy copies (``ckpt.buddy``), a step no shared tier holds yet may come from
+the nodes' tier 0 copies: its manifest is then built from every rank's record.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tierio import events
 from tierio.errors import ConfigError, FormatError, IntegrityError, NotFoundError, StorageError
 from tierio.format.shard import manifest_key, shard_name
 
+from tierio.ckpt.buddy import NodeCopies
 from tierio.ckpt.nodes import gather
 from tierio.ckpt.reader import read_manifest
 from tierio.ckpt.restore import RestoreStats, Source, load_state, own_rank
@@ -70,6 +72,7 @@ class Request:
     sources: Callable[[str], list[Source]]  # the read order, given the url of the manifest's tier
     mapped: bool = True  # tensors restored into new memory may be maps of local shard files
     failures: list[str] = field(default_factory=list)
+    node_copies: NodeCopies | None = None  # steps restorable from the nodes' tier 0 (buddy copies)
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,8 @@ def restore(req: Request, candidates: list[int], agreement: Agreement, explicit:
 def restore_step(req: Request, step: int) -> tuple[Any, str, RestoreStats]:
     """This rank's state of ``step``: the manifest from the fastest shared tier whose copy reads,
     every file from the fastest tier with a good copy."""
+    if req.node_copies is not None and step in req.node_copies.plans:
+        return restore_from_nodes(req, req.node_copies, step)
     for ts in req.tiers:
         if ts.node_local or not ts.store.exists(manifest_key(step)):
             continue
@@ -135,3 +140,13 @@ def restore_step(req: Request, step: int) -> tuple[Any, str, RestoreStats]:
             req.failures.append(msg)
             events.emit(events.CopyUnusable(step, ts.url, str(exc)))
     raise IntegrityError(f"no valid copy of step {step} on any tier: " + "; ".join(req.failures[-3:] or ["none found"]))
+
+
+def restore_from_nodes(req: Request, copies: NodeCopies, step: int) -> tuple[Any, str, RestoreStats]:
+    """A step that no shared tier holds yet, from the nodes' tier 0 copies: a rank whose node lost
+    its copy fetches its buddy copy first (every rank takes part, in this thread)."""
+    man = copies.manifest(step)
+    sources = req.sources(None)
+    got = load_state(man, req.rank, req.into, sources, world_size=req.world_size, per_rank=req.per_rank,
+                     map_files=req.mapped)
+    return got.state, got.read_from.get(shard_name(req.rank), sources[0].store.url), got.stats

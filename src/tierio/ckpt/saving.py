@@ -32,13 +32,15 @@ class SaveHandle:
     """Completion handles of one save: ``staged`` (state copied, the caller may go on),
     ``persisted`` (this rank's shard durable on tier 0, and the step committed there when tier 0
     is shared), ``committed`` (the step's manifest on its first shared tier: globally committed),
-    ``promoted`` (every slower tier committed)."""
+    ``promoted`` (every slower tier committed); ``buddied`` (with ``buddy=True``: this rank's part
+    sent to its partner node and its source's copy kept; with nothing to send, done at once)."""
 
     step: int
     staged: Future = field(default_factory=Future)
     persisted: Future = field(default_factory=Future)
     committed: Future = field(default_factory=Future)
     promoted: Future = field(default_factory=Future)
+    buddied: Future = field(default_factory=Future)  # buddy=True: the exchange with the partner node done
     blocking_seconds: float = 0.0  # time save() held the caller, waiting included
     wait_seconds: float = 0.0  # part of it spent waiting for the previous persist
     bytes: int = 0

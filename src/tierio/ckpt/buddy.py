@@ -1,0 +1,494 @@
+"""Buddy copies: each node's shards of a step also on a partner node's tier 0, for losing a node.
+
+With a node-local tier 0, a step is on the shared tier only once every node has published it there,
+and a node that dies before that takes its ranks' shards with it. With ``buddy=True`` each rank
+also sends its shard and record of every step it saved to its partner: the rank of the same local
+index on the next node (node i -> node (i + 1) % nodes, nodes ordered by their lowest rank). The
+partner verifies every chunk against the record and keeps the copy under its own tier 0, at
+``buddy/<source node>/step_<n>/`` (the record last: a copy counts once its record is there);
+tier 0's retention applies to the copies of each source node, and a rollback retires the copies
+of the abandoned steps as it does the node's own.
+
+Transport: ``torch.distributed`` point-to-point over a gloo group made for this alone (``new_group``
+at construction, in the caller's thread, by every rank). After construction only the buddy thread
+uses that group while saves run, and the caller's thread uses it in ``restore`` once the buddy
+thread is idle: one user at a time, so its messages never interleave and no collective of the
+training group ever runs on a background thread. Every step costs each rank one exchange with its
+two neighbours (a header, then the bytes), under its own bandwidth limit; a save that fails or is
+refused sends an empty header, so the partner never waits for bytes that will not come and the
+exchanges stay in step.
+
+Restore: a step that is not on the shared tier yet is restorable when each rank's record of it
+(of one run) is on its node's tier 0 or held by a buddy, with the world size of the save. The
+holder sends the copy to the rank over the buddy group (in the caller's thread, every rank taking
+part); the rank verifies it and writes it back to its node's (new) tier 0, then reads as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from tierio.errors import ConfigError, FormatError, IntegrityError, StorageError, TierioError
+from tierio.format.manifest import Manifest, RankEntry, check_globals, parse_record, utc_now
+from tierio.format.shard import parse_record_name, parse_step_dir, shard_name, step_dir, step_key
+from tierio.io.checksum import xxh3
+from tierio.io.limiter import TokenBucket
+from tierio.storage.base import Store, list_sizes, read_bytes
+
+from tierio.ckpt.copy import verify_chunks
+from tierio.ckpt.nodes import gather
+from tierio.ckpt.reader import step_dirs
+from tierio.ckpt.retention import Retention, wanted
+
+log = logging.getLogger("tierio.ckpt")
+
+BUDDY_DIR = "buddy"
+_NODE_DIR = re.compile(r"[A-Za-z0-9_.-]{1,200}")
+_NOTHING = -1  # a header's step when no copy follows (the save failed, the copy is unreadable)
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """Who this rank sends its copies to and whose copies it keeps (None: one node, no copies)."""
+
+    nodes: int
+    partner: int | None
+    source: int | None
+    source_node: str = ""
+
+    @property
+    def active(self) -> bool:
+        return self.partner is not None
+
+
+def pair(names: Sequence[str], rank: int) -> Pairing:
+    """The pairing of ``rank``, given every rank's node name: node i sends to node (i + 1) % nodes,
+    each rank to the rank of the same local index there."""
+    order: dict[str, list[int]] = {}
+    for r, n in enumerate(names):
+        order.setdefault(n, []).append(r)
+    nodes = list(order.values())  # ordered by their lowest rank (insertion order)
+    if len(nodes) == 1:
+        return Pairing(1, None, None)
+    sizes = {len(n) for n in nodes}
+    if len(sizes) != 1:
+        raise ConfigError(f"buddy copies need the same number of ranks on every node; got {sorted(len(n) for n in nodes)} "
+                          "ranks on the nodes")
+    i = next(k for k, n in enumerate(nodes) if rank in n)
+    j = nodes[i].index(rank)
+    src = (i - 1) % len(nodes)
+    source_node = names[nodes[src][j]]
+    if not _NODE_DIR.fullmatch(source_node) or ".." in source_node:
+        raise ConfigError(f"node name {source_node!r} cannot name a directory of buddy copies: use letters, digits, "
+                          "'_', '-' and '.' (the node= option or TIERIO_NODE)")
+    return Pairing(len(nodes), nodes[(i + 1) % len(nodes)][j], nodes[src][j], source_node)
+
+
+def held_dir(node: str, step: int) -> str:
+    """Where a node's tier 0 keeps the copies of ``node``'s ranks' parts of ``step``."""
+    return f"{BUDDY_DIR}/{node}/{step_dir(step)}"
+
+
+@dataclass(frozen=True)
+class Parcel:
+    """One rank's part of a step as it travels: its record (file name and bytes) and its shard."""
+
+    step: int
+    name: str
+    record: bytes
+    shard: torch.Tensor  # uint8, the shard file byte for byte
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.name) + len(self.record) + self.shard.numel()
+
+
+def read_parcel(store: Store, step: int, record_key: str, shard_key: str) -> Parcel:
+    """A rank's record and shard as they lie on ``store`` (checked by the receiver, not here)."""
+    raw = read_bytes(store, record_key)
+    size = store.stat(shard_key).size
+    shard = torch.empty(size, dtype=torch.uint8)
+    if size:
+        store.read_into(shard_key, 0, memoryview(shard.numpy()))
+    return Parcel(step, record_key.rsplit("/", 1)[-1], raw, shard)
+
+
+def check_parcel(parcel: Parcel, rank: int, world_size: int, label: str) -> RankEntry:
+    """The record of ``parcel`` checked against its name and parsed strictly, and every chunk of the
+    shard verified against it: the copy is rank ``rank``'s part of its step, intact."""
+    rn = parse_record_name(parcel.name)
+    if rn is None or rn.rank != rank:
+        raise FormatError(f"{label}: {parcel.name!r} is not a record of rank {rank}")
+    got = xxh3(parcel.record)
+    if got != rn.digest:
+        raise IntegrityError(f"{label}: the record does not match its name (xxh3 {got}, expected {rn.digest}); "
+                             "refusing this copy")
+    entry = parse_record(parcel.record, f"{label}: record", parcel.step, world_size)
+    if entry.rank != rank or entry.file != shard_name(rank):
+        raise FormatError(f"{label}: the record describes {entry.file!r} of rank {entry.rank}, expected rank {rank}'s")
+    if entry.bytes != parcel.shard.numel():
+        raise IntegrityError(f"{label}: the shard is {parcel.shard.numel()} bytes, its record says {entry.bytes}; "
+                             "refusing this copy")
+    verify_chunks(memoryview(parcel.shard.numpy()), entry, label, "refusing this copy")
+    return entry
+
+
+def store_parcel(store: Store, base: str, parcel: Parcel, entry: RankEntry) -> None:
+    """Write a verified parcel into the directory ``base``: the shard, then the record (a copy
+    counts once its record is there). A record of the same rank another run left there goes
+    first: it would describe a shard that is no longer there."""
+    for key in store.list(base + "/"):
+        rn = parse_record_name(key.rsplit("/", 1)[-1])
+        if rn is not None and rn.rank == entry.rank and key.rsplit("/", 1)[-1] != parcel.name:
+            store.delete(key)
+    store.put_buffers(f"{base}/{entry.file}", [memoryview(parcel.shard.numpy())])
+    store.put_buffers(f"{base}/{parcel.name}", [parcel.record])
+
+
+@dataclass
+class Link:
+    """The buddy group, this rank's pairing, and the limit on what it sends."""
+
+    group: Any
+    pairing: Pairing
+    limiter: TokenBucket | None
+
+
+def _header(parcel: Parcel | None) -> torch.Tensor:
+    if parcel is None:
+        return torch.tensor([_NOTHING, 0, 0, 0], dtype=torch.int64)
+    return torch.tensor([parcel.step, len(parcel.name), len(parcel.record), parcel.shard.numel()], dtype=torch.int64)
+
+
+def transfer(link: Link, sends: Sequence[tuple[int, Parcel | None]], recv_from: int | None) -> Parcel | None:
+    """Send each parcel to its rank and receive one from ``recv_from`` (None: none), in two rounds
+    over the buddy group: headers, then bytes (none after an empty header). Every rank named must
+    make the matching call. Returns the parcel received, None when an empty header came."""
+    import torch.distributed as dist
+
+    g = link.group
+    head_in = torch.zeros(4, dtype=torch.int64)
+    ops = [dist.isend(_header(p), dst, group=g) for dst, p in sends]
+    if recv_from is not None:
+        ops.append(dist.irecv(head_in, recv_from, group=g))
+    for op in ops:
+        op.wait()
+    ops = []
+    for dst, p in sends:
+        if p is None:
+            continue
+        if link.limiter is not None:
+            link.limiter.consume(p.nbytes)
+        ops.append(dist.isend(torch.cat([torch.frombuffer(bytearray(p.name.encode() + p.record), dtype=torch.uint8),
+                                         p.shard]), dst, group=g))
+    buf = None
+    step, name_len, rec_len, shard_len = (int(x) for x in head_in)
+    if recv_from is not None and step != _NOTHING:
+        if not (0 < name_len <= 255 and 0 <= rec_len <= 1 << 30 and shard_len >= 0):
+            raise FormatError(f"buddy rank {recv_from} sent a malformed header {head_in.tolist()}")
+        buf = torch.empty(name_len + rec_len + shard_len, dtype=torch.uint8)
+        ops.append(dist.irecv(buf, recv_from, group=g))
+    for op in ops:
+        op.wait()
+    if buf is None:
+        return None
+    head = bytes(buf[: name_len + rec_len].numpy())
+    try:
+        name = head[:name_len].decode("ascii")
+    except UnicodeDecodeError:
+        raise FormatError(f"buddy rank {recv_from} sent a parcel whose record name is not ASCII") from None
+    return Parcel(step, name, head[name_len:], buf[name_len + rec_len :])
+
+
+# -- saving: the copies a node keeps for its source ------------------------------------------------
+class Buddy:
+    """This rank's side of buddy copies (``CheckpointManager(..., buddy=True)``): sending its parts
+    to its partner and keeping its source's, on a thread of its own; at restore, finding the steps
+    node copies can restore and fetching this rank's part from its holder."""
+
+    def __init__(self, store: Store, rank: int, world_size: int, link: Link | None,
+                 retention: Retention | None) -> None:
+        self.store = store  # this node's tier 0
+        self.rank = rank
+        self.world_size = world_size
+        self.link = link
+        self.retention = retention
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tierio-ckpt-buddy") if link is not None else None
+        self._retired: set[int] = set()
+
+    @staticmethod
+    def setup(store: Store, rank: int, world_size: int, group: Any, node: str, bandwidth: float | None,
+              timeout: float, retention: Retention | None) -> Buddy:
+        """Pair the nodes and make the buddy group: in the caller's thread, on every rank (one
+        all_gather_object over ``group``, then ``new_group`` when there is more than one node)."""
+        import torch.distributed as dist
+
+        if world_size == 1:
+            log.info("buddy copies are off: one rank, one node, so there is no partner node")
+            return Buddy(store, rank, world_size, None, retention)
+        if group is None:
+            raise ConfigError("buddy copies travel over torch.distributed: initialise a process group first "
+                              "(torchrun, dist.init_process_group)")
+        if [dist.get_global_rank(group, r) for r in range(world_size)] != list(range(dist.get_world_size())):
+            # the buddy group is made over the whole job, and its ranks are the manager's ranks
+            raise ConfigError("buddy copies need the manager on the whole job's process group (the default one), "
+                              "not a subgroup")
+        names: list[Any] = [None] * world_size
+        dist.all_gather_object(names, node, group=group)
+        pairing = pair(names, rank)
+        if not pairing.active:
+            log.info("buddy copies are off: all %d ranks run on one node (%s), so there is no partner node", world_size, node)
+            return Buddy(store, rank, world_size, None, retention)
+        buddy_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        limiter = TokenBucket(bandwidth, burst=max(1 << 20, bandwidth / 4)) if bandwidth else None
+        log.info("buddy copies: rank %d sends to rank %d and keeps rank %d's (node %s) under %s/%s/",
+                 rank, pairing.partner, pairing.source, pairing.source_node, store.url, BUDDY_DIR)
+        return Buddy(store, rank, world_size, Link(buddy_group, pairing, limiter), retention)
+
+    @property
+    def active(self) -> bool:
+        return self.link is not None
+
+    def send(self, step: int, record_name: str | None, done: Future) -> None:
+        """Send this rank's part of ``step`` (``record_name`` None: the save failed; an empty header
+        goes, so the partner does not wait) and keep the source's, in the background; ``done``
+        gets the step of the copy kept (None: none came), or the failure."""
+        if self._pool is None:
+            done.set_result(None)
+            return
+
+        def run() -> None:
+            try:
+                done.set_result(self._exchange(step, record_name))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller through ``done``
+                log.warning("rank %d: buddy exchange of step %d failed: %s", self.rank, step, exc)
+                done.set_exception(exc)
+        try:
+            self._pool.submit(run)
+        except RuntimeError:  # closed: a save on a closed manager is refused, and exchanges nothing
+            done.set_result(None)
+
+    def _exchange(self, step: int, record_name: str | None) -> int | None:
+        link = self.link
+        assert link is not None and link.pairing.source is not None and link.pairing.partner is not None
+        out = None
+        if record_name is not None:
+            try:
+                out = read_parcel(self.store, step, step_key(step, record_name), step_key(step, shard_name(self.rank)))
+            except TierioError as exc:
+                log.warning("rank %d: no buddy copy of step %d sent: %s", self.rank, step, exc)
+        got = transfer(link, [(link.pairing.partner, out)], link.pairing.source)
+        if got is None:
+            return None
+        base = held_dir(link.pairing.source_node, got.step)
+        label = f"the buddy copy of rank {link.pairing.source}'s step {got.step} from node {link.pairing.source_node}"
+        entry = check_parcel(got, link.pairing.source, self.world_size, label)
+        store_parcel(self.store, base, got, entry)
+        self._prune(link.pairing.source_node, got.step)
+        return got.step
+
+    def _prune(self, node: str, newest: int) -> None:
+        """Retention on the copies kept for ``node``: the tier's policy, as for its own steps."""
+        prefix = f"{BUDDY_DIR}/{node}/"
+        steps = {s for k in self.store.list(prefix) if (s := parse_step_dir(k[len(prefix):].split("/", 1)[0])) is not None}
+        now = time.time()
+        held = {s: now for s in steps}
+        for s in sorted(steps):
+            if s != newest and not wanted(held, self.retention, s, now, now):
+                self.store.delete_prefix(f"{prefix}{step_dir(s)}/")
+
+    def retire_after(self, after: int, saved: set[int]) -> None:
+        """The rollback rule (``ckpt.lineage``) for kept copies: after a restore of ``after``, the
+        copies of later steps belong to the abandoned branch (but those of ``saved``, the new
+        branch's). Once per restore; the node's leader calls it."""
+        if after in self._retired:
+            return
+        prefix = BUDDY_DIR + "/"
+        for key in {k.rsplit("/", 1)[0] for k in self.store.list(prefix)}:
+            step = parse_step_dir(key.rsplit("/", 1)[-1])
+            if step is not None and step > after and step not in saved:
+                self.store.delete_prefix(key + "/")
+        self._retired.add(after)
+
+    def idle(self) -> None:
+        """Wait until no exchange runs (the buddy group is free for the caller's thread)."""
+        if self._pool is not None:
+            self._pool.submit(lambda: None).result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+# -- restoring: steps the node copies hold -------------------------------------------------------
+@dataclass(frozen=True)
+class Part:
+    """A rank's record of a step on some node's tier 0: its own copy, or a buddy copy ``holder`` keeps."""
+
+    rank: int
+    step: int
+    token: str
+    key: str  # the record's key on the holder's tier 0
+    holder: int
+
+    @property
+    def held(self) -> bool:
+        return self.key.startswith(BUDDY_DIR + "/")
+
+
+def inventory(store: Store, rank: int) -> list[Part]:
+    """What this rank can read on its node's tier 0: its own records (its copies) and every buddy
+    copy's record (one listing each)."""
+    parts = []
+    for step, keys in step_dirs(store).items():
+        for key in keys:
+            rn = parse_record_name(key.rsplit("/", 1)[-1])
+            if rn is not None and rn.rank == rank:
+                parts.append(Part(rank, step, rn.token, key, rank))
+    for key in list_sizes(store, BUDDY_DIR + "/"):
+        bits = key.split("/")
+        rn = parse_record_name(bits[-1])
+        step = parse_step_dir(bits[-2]) if len(bits) == 4 else None
+        if rn is not None and step is not None:
+            parts.append(Part(rn.rank, step, rn.token, key, rank))
+    return parts
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A step every rank can restore from node copies: where each rank's part is."""
+
+    step: int
+    parts: dict[int, Part]  # rank -> its own copy where it has one, else the held copy it fetches
+
+    def fetches(self) -> dict[int, Part]:
+        return {r: p for r, p in self.parts.items() if p.holder != r}
+
+
+def plan_steps(found: Sequence[Sequence[Part]], world_size: int) -> dict[int, StepPlan]:
+    """The steps whose every rank's part (of one run) is on some node's tier 0, given every rank's
+    inventory: each rank's own copy where it has one, else the held copy of the lowest holder."""
+    best: dict[tuple[int, str], dict[int, Part]] = {}
+    for parts in found:
+        for p in parts:
+            if not 0 <= p.rank < world_size:
+                continue  # saved with another world size: node copies restore only the same one
+            have = best.setdefault((p.step, p.token), {})
+            old = have.get(p.rank)
+            if old is None or (old.held and (not p.held or p.holder < old.holder)):
+                have[p.rank] = p
+    plans: dict[int, StepPlan] = {}
+    for (step, _token), have in sorted(best.items()):
+        if len(have) == world_size and step not in plans:
+            plans[step] = StepPlan(step, have)
+    return plans
+
+
+def fetch_step(buddy: Buddy, plan: StepPlan) -> Exception | None:
+    """Every rank, in the caller's thread: holders send the copies that ranks without their own
+    copy need, and such a rank verifies its copy and writes it back into its node's tier 0. Returns
+    this rank's failure (the others must hear of it, so it is not raised here)."""
+    link = buddy.link
+    assert link is not None
+    rank, step = buddy.rank, plan.step
+    fetches = plan.fetches()
+    sends: list[tuple[int, Parcel | None]] = []
+    for r, part in sorted(fetches.items()):
+        if part.holder != rank:
+            continue
+        try:
+            sends.append((r, read_parcel(buddy.store, step, part.key, part.key.rsplit("/", 1)[0] + "/" + shard_name(r))))
+        except TierioError as exc:
+            log.warning("cannot send rank %d's buddy copy of step %d from %s: %s", r, step, buddy.store.url, exc)
+            sends.append((r, None))
+    mine = fetches.get(rank)
+    try:
+        got = transfer(link, sends, mine.holder if mine is not None else None)
+    except (RuntimeError, FormatError) as exc:
+        return StorageError(f"rank {rank}: the buddy transfer of step {step} failed: {exc}")
+    if mine is None:
+        return None
+    label = f"the buddy copy of rank {rank}'s step {step} held by rank {mine.holder} ({mine.key})"
+    if got is None:
+        return IntegrityError(f"{label} could not be read there; step {step} cannot be restored on rank {rank}")
+    try:
+        entry = check_parcel(got, rank, buddy.world_size, label)
+        store_parcel(buddy.store, step_dir(step), got, entry)
+    except (FormatError, IntegrityError, StorageError) as exc:
+        return exc
+    log.info("rank %d: step %d's shard came from the buddy copy held by rank %d; written back to %s",
+             rank, step, mine.holder, buddy.store.url)
+    return None
+
+
+def node_manifest(step: int, world_size: int, records: Sequence[tuple[int, str, bytes] | str]) -> Manifest:
+    """The manifest of a step restored from node copies, from every rank's record (``(rank, name,
+    raw)``, or the reason that rank has none), checked as a committed manifest would be."""
+    problems = [f"rank {r}: {x}" for r, x in enumerate(records) if isinstance(x, str)]
+    if problems:
+        raise IntegrityError(f"step {step} cannot be restored from node copies: " + "; ".join(problems))
+    entries = []
+    for r, item in enumerate(records):
+        assert not isinstance(item, str)
+        _, name, raw = item
+        rn = parse_record_name(name)
+        if rn is None or rn.rank != r or xxh3(raw) != rn.digest:
+            raise IntegrityError(f"step {step}: rank {r}'s record {name!r} does not match its name; not restoring it")
+        entries.append(parse_record(raw, f"rank {r}'s record {name} of step {step}", step, world_size))
+    stamp, ts = utc_now()
+    man = Manifest(step, world_size, entries, stamp, ts, {}, None)
+    check_globals(man, f"step {step} from node copies")
+    return man
+
+
+@dataclass
+class NodeCopies:
+    """The steps that node copies restore, agreed by every rank (``agree``): for such a step the
+    restore takes its manifest from here instead of from a shared tier."""
+
+    buddy: Buddy
+    plans: dict[int, StepPlan]
+    group: Any
+
+    def manifest(self, step: int) -> Manifest:
+        """Fetch this rank's part if it has no copy of its own, then build the step's manifest from
+        every rank's record (one all_gather_object). Every rank calls it for the same step."""
+        b = self.buddy
+        failure = fetch_step(b, self.plans[step])
+        record: tuple[int, str, bytes] | str
+        if failure is not None:
+            record = str(failure)
+        else:
+            name = self.plans[step].parts[b.rank].key.rsplit("/", 1)[-1]
+            try:
+                record = (b.rank, name, read_bytes(b.store, step_key(step, name)))
+            except TierioError as exc:
+                record = str(exc)
+        records = gather(record, self.group, b.world_size)
+        if failure is not None:
+            raise failure
+        return node_manifest(step, b.world_size, records)
+
+
+def agree(buddy: Buddy, group: Any, shared: Sequence[int]) -> NodeCopies:
+    """Which steps node copies restore (one all_gather_object over ``group``, in the caller's
+    thread): those every rank's part of is on some node's tier 0, and that not every rank finds on
+    a shared tier (``shared``: the steps this rank finds there)."""
+    try:
+        mine = inventory(buddy.store, buddy.rank)
+    except StorageError as exc:
+        log.warning("cannot list the node copies on %s: %s", buddy.store.url, exc)
+        mine = []
+    found = gather((mine, sorted(shared)), group, buddy.world_size)
+    everywhere = set.intersection(*(set(s) for _, s in found))
+    plans = {s: p for s, p in plan_steps([parts for parts, _ in found], buddy.world_size).items() if s not in everywhere}
+    return NodeCopies(buddy, plans, group)
