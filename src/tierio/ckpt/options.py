@@ -27,7 +27,9 @@ class CheckpointOptions:
     between failures in seconds, which turns on ``CheckpointManager.should_save`` (Young/Daly's
     interval from the measured cost of saves, ``ckpt.interval``); ``overlap``: zero-stall snapshots,
     ``save`` returns before the large tensors are copied and the next update waits for the copy
-    (``attach(optimizer)`` or ``before_update()``; the rule the caller keeps: ``ckpt.overlap``)."""
+    (``attach(optimizer)`` or ``before_update()``; the rule the caller keeps: ``ckpt.overlap``);
+    ``incremental``: a save writes only the tensors that changed since the last step this manager
+    committed, the manifest refers to the earlier shards for the others (``ckpt.incremental``)."""
 
     memory_budget: int | str | None = None
     double_buffer: bool = False
@@ -41,6 +43,7 @@ class CheckpointOptions:
     inline_records: int = INLINE_RECORD_BYTES
     mtbf: float | None = None
     overlap: bool = False
+    incremental: bool = False
 
     def with_overrides(self, overrides: dict[str, Any]) -> CheckpointOptions:
         """These options with keyword arguments (the manager's older keywords) applied."""

@@ -1,0 +1,62 @@
+"""References between the steps of an incremental checkpoint (``ckpt.incremental``), counted.
+
+A step's chunks may lie in a shard of an earlier step (``step_<n>/rank_<r>.safetensors``). Deleting
+a step (retention, ``gc``, ``delete_step``, a rollback) removes its manifest and every file of its
+directory but those another committed step on the *same* tier still refers to; a directory left
+holding only such files is no checkpoint (no manifest) and goes once nothing refers to it. Each
+tier is counted from the manifests committed there (a node-local tier: from the shared tier's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from tierio.errors import DanglingReferenceError, IntegrityError
+from tierio.format.manifest import Manifest, RankEntry, ref_step
+from tierio.storage.base import Store
+
+from tierio.ckpt.commit import read_record
+from tierio.ckpt.reader import read_manifest
+
+
+def entry_refs(man: Manifest, entries: Iterable[RankEntry]) -> set[str]:
+    """The keys of earlier steps' files that ``entries`` (of ``man``) refer to."""
+    return {f for e in entries for f in e.refs}
+
+
+def manifest_refs(store: Store, man: Manifest) -> set[str]:
+    """The files of earlier steps ``man`` (read from ``store``) refers to; records by reference are
+    read from ``store`` too."""
+    entries = [e if e.loaded else read_record(store, man.step, man.world_size, e.record)  # type: ignore[arg-type]
+               for e in man.ranks]
+    return entry_refs(man, entries)
+
+
+def referenced(store: Store, steps: Sequence[int], manifests_on: Store | None = None) -> set[str]:
+    """Every file key the committed ``steps`` refer to (their manifests on ``manifests_on``, default
+    ``store``). An unreadable manifest raises: nothing may be deleted on a guess."""
+    src = manifests_on or store
+    out: set[str] = set()
+    for s in steps:
+        out |= manifest_refs(src, read_manifest(src, s))
+    return out
+
+
+_ABSENT = ("does not exist", "not found", "no such", "missing")  # how stores word a missing key
+
+
+def no_good_copy(step: int, file: str, tensors: Sequence[str], problems: list[str]) -> IntegrityError:
+    """The error of a restore that found no good copy of ``file`` on any tier: a dangling reference
+    when ``file`` is an earlier step's shard that no tier holds."""
+    detail = "; ".join(problems or ["not found"])
+    base = ref_step(file)
+    if base is not None and all(any(m in p.lower() for m in _ABSENT) for p in problems or ["not found"]):
+        names = ", ".join(repr(t) for t in tensors[:5]) + (f" and {len(tensors) - 5} more" if len(tensors) > 5 else "")
+        return DanglingReferenceError(
+            f"dangling reference: step {step} tensor {names} refers to {file} (step {base}), which no tier holds: "
+            f"{detail}; restore another step (the referenced step was deleted outside tierio)",
+            step, tensors[0] if tensors else "", file)
+    return IntegrityError(f"no good copy of {file} of step {step} on any tier: {detail}")
+
+
+__all__ = ["entry_refs", "manifest_refs", "no_good_copy", "referenced"]
