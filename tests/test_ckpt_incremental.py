@@ -94,6 +94,13 @@ def test_gc_api_and_cli_and_delete_step_keep_referenced_chunks(tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["deleted"] == [20]
     assert (fast / shard_key(10, 0)).exists() and verify(fast, 30).ok
+    for argv in (["ls", str(fast), "--json"], ["verify", str(fast), "--all", "--json"]):
+        r = subprocess.run([sys.executable, "-m", "tierio", "ckpt", *argv], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        assert r.returncode == 0, r.stderr  # step 10's kept shard is neither a partial checkpoint nor a bad one
+        doc = json.loads(r.stdout)
+        assert doc.get("referenced_only", [10]) == [10] and doc.get("uncommitted", []) == []
+        assert [x["step"] for x in doc.get("steps", [{"step": 30}])] == [30]
     with CheckpointManager([fast]) as mgr:
         mgr.save(40, state_for(40)).wait()  # a full save
     delete_step(open_store(str(fast)), 30)  # the last step referring to step 10: its shard may go now
@@ -233,3 +240,15 @@ def test_promotion_to_s3_carries_referenced_shards(tmp_path, s3_url):
     shutil.rmtree(fast)  # the node's disk is gone
     with CheckpointManager([fast, s3_url]) as mgr:
         assert same(mgr.restore(30), 30)
+
+
+def test_weights_load_refuses_an_incremental_step_and_export_writes_it_whole(tmp_path):
+    from tierio.ckpt.export import export
+    from tierio.weights import load
+
+    saved(tmp_path, [10, 20], tiers=[tmp_path / "fast"])
+    with pytest.raises(FormatError, match="incremental checkpoint"):
+        load(tmp_path / "fast")
+    export(tmp_path / "fast", tmp_path / "model", step=20)
+    out = load(tmp_path / "model")
+    assert torch.equal(out["frozen"], frozen()) and torch.equal(out["lora"], state_for(20)["lora"])

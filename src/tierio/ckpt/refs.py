@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from tierio.errors import DanglingReferenceError, IntegrityError
+from tierio.errors import DanglingReferenceError, IntegrityError, TierioError
 from tierio.format.manifest import Manifest, RankEntry, ref_step
 from tierio.storage.base import Store
 
 from tierio.ckpt.commit import read_record
-from tierio.ckpt.reader import read_manifest
+from tierio.ckpt.reader import committed_in, read_manifest
 
 
 def entry_refs(man: Manifest, entries: Iterable[RankEntry]) -> set[str]:
@@ -42,6 +42,18 @@ def referenced(store: Store, steps: Sequence[int], manifests_on: Store | None = 
     return out
 
 
+def reference_only(store: Store, dirs: dict[int, list[str]]) -> set[int]:
+    """The manifest-less step directories of a ``step_dirs`` listing that hold only shards committed
+    steps refer to (what deleting a referenced step leaves): not debris, not a partial checkpoint.
+    Empty when a manifest cannot be read (the directories are then reported as they are)."""
+    committed = committed_in(dirs)
+    try:
+        refs = referenced(store, committed)
+    except TierioError:
+        return set()
+    return {s for s, keys in dirs.items() if s not in committed and keys and set(keys) <= refs}
+
+
 _ABSENT = ("does not exist", "not found", "no such", "missing")  # how stores word a missing key
 
 
@@ -59,4 +71,4 @@ def no_good_copy(step: int, file: str, tensors: Sequence[str], problems: list[st
     return IntegrityError(f"no good copy of {file} of step {step} on any tier: {detail}")
 
 
-__all__ = ["entry_refs", "manifest_refs", "no_good_copy", "referenced"]
+__all__ = ["entry_refs", "manifest_refs", "no_good_copy", "reference_only", "referenced"]
