@@ -252,3 +252,37 @@ def test_weights_load_refuses_an_incremental_step_and_export_writes_it_whole(tmp
     export(tmp_path / "fast", tmp_path / "model", step=20)
     out = load(tmp_path / "model")
     assert torch.equal(out["frozen"], frozen()) and torch.equal(out["lora"], state_for(20)["lora"])
+
+
+# -- several ranks ---------------------------------------------------------------------------------
+def rank_worker(rank: int, root: str, init: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        # inline_records=0: the manifest names each rank's record, so counting references reads them
+        with CheckpointManager([Tier(os.path.join(root, "fast"), KeepLast(1)), os.path.join(root, "slow")],
+                               incremental=True, min_keep=1, inline_records=0) as mgr:
+            for step in (10, 20, 30):
+                state = state_for(step)
+                state["lora"] += rank
+                mgr.save(step, state).wait()
+            dist.barrier()
+            out = mgr.restore(30)
+            assert torch.equal(out["frozen"], frozen()) and torch.equal(out["lora"], state_for(30)["lora"] + rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_incremental_with_records_and_retention(tmp_path):
+    import torch.multiprocessing as tmp
+
+    tmp.start_processes(rank_worker, args=(str(tmp_path), f"file://{tmp_path}/pg"), nprocs=2, start_method="spawn",
+                        join=True)
+    fast = tmp_path / "fast"
+    assert [c.step for c in list_checkpoints(fast)] == [30]
+    assert sorted(os.listdir(fast / "step_000000010")) == ["rank_00000.safetensors", "rank_00001.safetensors"]
+    man = inspect(fast, 30, records=True)
+    assert {c.file for r in man.ranks for c in r.tensors["frozen"].chunks} == {
+        "step_000000010/rank_00000.safetensors", "step_000000010/rank_00001.safetensors"}
+    assert verify(fast, 30).ok and verify(tmp_path / "slow", 30).ok
