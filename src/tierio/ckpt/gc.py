@@ -157,15 +157,12 @@ def collect(tiers: Sequence[GcTier], options: GcOptions = GcOptions()) -> GcRepo
         newest = max(listing.held, default=-1)
         abandoned = sorted(s for s in listing.dirs if s < newest and s not in listing.held and s not in options.protected)
         try:
+            keep = keeps.get(i) or set()
             for s in abandoned:
-                keep = keeps[i] or set()
-                if any(k.startswith(step_dir(s) + "/") for k in keep):
-                    if not options.dry_run:
-                        delete_step(tier.store, s, keep)
-                    continue  # only the files a committed step refers to are left: not debris
                 if not options.dry_run:
                     delete_step(tier.store, s, keep)
-                report.uncommitted.append(Removed(tier.url, s))
+                if not any(k.startswith(step_dir(s) + "/") for k in keep):  # else: shards a checkpoint refers to
+                    report.uncommitted.append(Removed(tier.url, s))
             if tier.sweep and not options.dry_run:
                 finished = [s for s in listing.held if (i, s) not in gone and s not in options.protected]
                 report.leftovers += _sweep(tier.store, finished, options.temp_grace)

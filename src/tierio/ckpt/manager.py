@@ -41,7 +41,7 @@ from tierio.dist import rank_world
 from tierio.errors import (
     ConfigError, FormatError, IntegrityError, LeaseError, NotFoundError, StorageError, TierioError,
 )
-from tierio.format.manifest import RankEntry
+from tierio.format.manifest import RankEntry, TensorInfo
 from tierio.format.shard import Placement, ShardBytes, describe, manifest_key, plan_shard, shard_key, shard_name, step_dir
 from tierio.format.statetree import flatten
 from tierio.io.buffers import BufferPool, align_up
@@ -602,29 +602,8 @@ class CheckpointManager:
             self._cluster.ensure(t0)  # other ranks: wait for the leader's lease naming this run
             if job.rollback is not None:
                 self._retire(job.rollback)
-            parts, view = job.parts()
             fname = shard_name(self.rank)
-            size = job.layout.total_bytes
-            with self._lock:
-                base = self._base if self.options.incremental and job.direct is None else None
-                if base is not None:
-                    self._bases[step] = base.step
-            start = time.perf_counter()
-            if base is not None:  # only the tensors that changed since the base step are written
-                delta = diff(job.layout, view, fname, job.places, base)  # type: ignore[arg-type]
-                parts, size, tensors = delta.parts, delta.layout.total_bytes, delta.tensors
-                t0.store.put_buffers(shard_key(step, self.rank), parts)
-                with self._lock:
-                    self._saves_update(step, written_bytes=size, reused_bytes=delta.reused_bytes, base_step=base.step)
-            else:
-                # Checksum the bytes while the same bytes stream to disk (both only read them); the
-                # record needs the checksums only once the shard is durable.
-                sums = self._checksum_pool.submit(describe, job.layout, view, fname, job.places)
-                try:
-                    t0.store.put_buffers(shard_key(step, self.rank), parts)
-                finally:
-                    tensors = sums.result()
-            self._account(t0, CopyStats(size, time.perf_counter() - start, 1))
+            size, tensors = self._write_shard(step, job, fname)
         finally:
             if job.buf is not None:
                 self._staging.release(job.buf)
@@ -632,6 +611,34 @@ class CheckpointManager:
         lineage = Lineage(self._run(), job.rollback.after if job.rollback is not None else None)
         ref = write_record(t0.store, step, self.world_size, entry, lineage.token) if record else None
         return Own(entry, ref), lineage
+
+    def _write_shard(self, step: int, job: Staged, fname: str) -> tuple[int, dict[str, TensorInfo]]:
+        """Write this rank's shard of ``step`` to tier 0; returns its size and tensors. An incremental
+        save with a base writes only the tensors that changed since it (``ckpt.incremental``)."""
+        t0 = self._tiers[0]
+        parts, view = job.parts()
+        with self._lock:
+            base = self._base if self.options.incremental and job.direct is None else None
+            if base is not None:
+                self._bases[step] = base.step
+        start = time.perf_counter()
+        if base is not None:
+            delta = diff(job.layout, view, fname, job.places, base)  # type: ignore[arg-type]
+            t0.store.put_buffers(shard_key(step, self.rank), delta.parts)
+            size, tensors = delta.layout.total_bytes, delta.tensors
+            with self._lock:
+                self._saves_update(step, written_bytes=size, reused_bytes=delta.reused_bytes, base_step=base.step)
+        else:
+            # Checksum the bytes while the same bytes stream to disk (both only read them); the
+            # record needs the checksums only once the shard is durable.
+            sums = self._checksum_pool.submit(describe, job.layout, view, fname, job.places)
+            try:
+                t0.store.put_buffers(shard_key(step, self.rank), parts)
+            finally:
+                tensors = sums.result()
+            size = job.layout.total_bytes
+        self._account(t0, CopyStats(size, time.perf_counter() - start, 1))
+        return size, tensors
 
     def _committed(self, step: int, entry: RankEntry, done: Any) -> None:
         """An incremental save's commit settled: a committed step becomes the next saves' base."""
