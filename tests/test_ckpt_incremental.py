@@ -8,6 +8,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -150,6 +151,14 @@ def test_dangling_reference_is_a_typed_error(tmp_path):
     assert not (dst / manifest_key(20)).exists()
 
 
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """A tier holding step 10 and step 20 (which refers to step 10), saved once for the module."""
+    root = tmp_path_factory.mktemp("two_steps")
+    saved(root, [10, 20], tiers=[root / "fast"])
+    return root / "fast"
+
+
 @pytest.mark.parametrize("ref", [
     "step_000000020/rank_00000.safetensors",  # itself: a cycle
     "step_000000030/rank_00000.safetensors",  # a later step
@@ -158,8 +167,8 @@ def test_dangling_reference_is_a_typed_error(tmp_path):
     "step_000000010/rank_00000.safetensors/x",
     "step_10/rank_00000.safetensors",
 ])
-def test_hostile_references_are_refused(tmp_path, ref):
-    saved(tmp_path, [10, 20], tiers=[tmp_path / "fast"])
+def test_hostile_references_are_refused(tmp_path, two_steps, ref):
+    shutil.copytree(two_steps, tmp_path / "fast")
     path = tmp_path / "fast" / manifest_key(20)
     doc = json.loads(path.read_bytes())
     doc["ranks"][0]["tensors"]["frozen"]["chunks"][0]["file"] = ref
@@ -236,7 +245,6 @@ def test_promotion_to_s3_carries_referenced_shards(tmp_path, s3_url):
     other = s3_url.replace("?", "-copy?", 1) if "?" in s3_url else s3_url + "-copy"
     promote(fast, other, 30)
     assert open_store(other).exists(shard_key(10, 0)) and verify(other, 30).ok
-    import shutil
     shutil.rmtree(fast)  # the node's disk is gone
     with CheckpointManager([fast, s3_url]) as mgr:
         assert same(mgr.restore(30), 30)
