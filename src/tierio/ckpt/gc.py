@@ -17,8 +17,7 @@ From one listing per tier it removes, in this order:
 Deleting a step removes its manifest first, so an interrupted deletion never leaves something that
 looks like a checkpoint, and keeps the files another committed step on the same tier still refers to
 (incremental checkpoints, ``ckpt.refs``): its directory then holds only those, and goes as debris
-once nothing refers to them. A tier whose manifests cannot be read to count references loses
-nothing. Stores never follow a link below their root, so nothing is deleted
+once nothing refers to them. A tier that cannot be read to count references loses nothing. Stores never follow a link below their root, so nothing is deleted
 through one.
 """
 
@@ -110,7 +109,7 @@ def delete_step(store: Store, step: int, keep: set[str] | None = None) -> None:
 
 def _still_referenced(tier: GcTier, steps: list[int], report: GcReport) -> set[str] | None:
     """The files the surviving committed ``steps`` of ``tier`` refer to; None (and the tier is
-    skipped) when a manifest cannot be read: nothing is deleted on a guess."""
+    skipped) when the tier cannot be read: nothing is deleted on a guess."""
     try:
         return referenced(tier.store, steps, tier.commits_on)
     except TierioError as exc:

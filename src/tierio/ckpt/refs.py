@@ -11,12 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from tierio.errors import DanglingReferenceError, IntegrityError, TierioError
+import logging
+
+from tierio.errors import DanglingReferenceError, FormatError, IntegrityError, TierioError
 from tierio.format.manifest import Manifest, RankEntry, ref_step
 from tierio.storage.base import Store
 
 from tierio.ckpt.commit import read_record
 from tierio.ckpt.reader import committed_in, read_manifest
+
+log = logging.getLogger("tierio.ckpt")
 
 
 def entry_refs(man: Manifest, entries: Iterable[RankEntry]) -> set[str]:
@@ -34,11 +38,16 @@ def manifest_refs(store: Store, man: Manifest) -> set[str]:
 
 def referenced(store: Store, steps: Sequence[int], manifests_on: Store | None = None) -> set[str]:
     """Every file key the committed ``steps`` refer to (their manifests on ``manifests_on``, default
-    ``store``). An unreadable manifest raises: nothing may be deleted on a guess."""
+    ``store``). A store that cannot be read raises (StorageError): nothing may be deleted on a guess.
+    A damaged manifest (or record) is skipped with a warning: that copy restores nothing, so it
+    keeps nothing either, as before incremental checkpoints."""
     src = manifests_on or store
     out: set[str] = set()
     for s in steps:
-        out |= manifest_refs(src, read_manifest(src, s))
+        try:
+            out |= manifest_refs(src, read_manifest(src, s))
+        except (FormatError, IntegrityError) as exc:
+            log.warning("step %d on %s is damaged; the files it may refer to are not kept for it: %s", s, src.url, exc)
     return out
 
 
