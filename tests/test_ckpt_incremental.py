@@ -297,3 +297,13 @@ def test_two_gloo_ranks_incremental_with_records_and_retention(tmp_path):
     assert {c.file for r in man.ranks for c in r.tensors["frozen"].chunks} == {
         "step_000000010/rank_00000.safetensors", "step_000000010/rank_00001.safetensors"}
     assert verify(fast, 30).ok and verify(tmp_path / "slow", 30).ok
+
+
+def test_bench_incremental_figures_run(tmp_path):
+    from tierio.bench import incremental
+    from tierio.bench.ckpt import TARGETS, make_state
+
+    out = incremental.measure(make_state(8 << 20, 24), tmp_path, repeat=1)
+    assert 0 < out["changed_share"] <= incremental.CHANGED
+    assert out["full_bytes"] > 10 * out["incremental_bytes"] and out["bytes_ratio"] > 10
+    assert out["persist_ratio"] > 0 and {"incremental_bytes_ratio", "incremental_persist_vs_full"} <= set(TARGETS)
