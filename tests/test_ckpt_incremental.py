@@ -293,6 +293,8 @@ def test_two_gloo_ranks_incremental_with_records_and_retention(tmp_path):
     fast = tmp_path / "fast"
     assert [c.step for c in list_checkpoints(fast)] == [30]
     assert sorted(os.listdir(fast / "step_000000010")) == ["rank_00000.safetensors", "rank_00001.safetensors"]
+    plain = inspect(fast, 30)  # records by reference: the manifest alone still says it is incremental
+    assert not plain.ranks[1].loaded and plain.incremental
     man = inspect(fast, 30, records=True)
     assert {c.file for r in man.ranks for c in r.tensors["frozen"].chunks} == {
         "step_000000010/rank_00000.safetensors", "step_000000010/rank_00001.safetensors"}

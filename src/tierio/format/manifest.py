@@ -55,6 +55,8 @@ MAX_WORLD_SIZE = 1 << 20
 MAX_DIMS = 64
 MAX_CHUNKS = 1 << 24
 MANIFEST_NAME = "manifest.json"
+# in ``extra``: the committer's own entry refers to earlier steps (the manifest may name records only)
+INCREMENTAL_FIELD = "tierio.incremental"
 # a chunk in a shard of an earlier step: "step_000000010/rank_00000.safetensors"
 _REF_RE = re.compile(r"step_(\d{9})/(rank_\d{5}\.safetensors)")
 
@@ -157,6 +159,12 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         return sum(r.bytes for r in self.ranks)
+
+    @property
+    def incremental(self) -> bool:
+        """Some chunks lie in earlier steps' shards (as far as the loaded entries and the
+        committer's mark tell): the shards alone do not hold the state."""
+        return self.extra.get(INCREMENTAL_FIELD) is True or any(r.refs for r in self.ranks)
 
     @property
     def files(self) -> list[str]:
