@@ -165,6 +165,8 @@ def test_pairing_is_node_to_next_node_by_local_index():
 def test_buddy_needs_a_node_local_tier0(tmp_path):
     with pytest.raises(ConfigError, match="node-local tier 0"):
         CheckpointManager([tmp_path / "a", tmp_path / "b"], buddy=True)
+    with pytest.raises(ConfigError, match="cannot be combined"):
+        CheckpointManager([Tier(str(tmp_path / "a"), scope="node"), tmp_path / "b"], buddy=True, incremental=True)
 
 
 def test_one_node_makes_no_copies(tmp_path, caplog):

@@ -43,6 +43,15 @@ class FormatError(TierioError):
     """A file or manifest is malformed, truncated, or hostile."""
 
 
+class DanglingReferenceError(IntegrityError):
+    """An incremental checkpoint refers to a chunk of an earlier step whose file is missing on a tier.
+    ``step``, ``tensor`` and ``file`` name the reference (``file`` is the referenced file's key)."""
+
+    def __init__(self, message: str, step: int, tensor: str, file: str) -> None:
+        super().__init__(message)
+        self.step, self.tensor, self.file = step, tensor, file
+
+
 class ConfigError(TierioError, ValueError):
     """An argument or setting is invalid."""
 

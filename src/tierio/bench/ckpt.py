@@ -14,6 +14,8 @@ Figures (seconds are medians of the steady-state repetitions):
                 checksums verified; compared with dcp.load into freshly allocated tensors
   overlap       save(overlap=True) blocking + the next update's wait, in a loop whose forward +
                 backward takes longer than the copy (bench/overlap.py)
+  incremental   incremental=True with 95% of the state unchanged against full saves: bytes written
+                and the persist stage (bench/incremental.py)
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 
 import torch
 
-from tierio.bench import common, integrations, overlap
+from tierio.bench import common, incremental, integrations, overlap
 from tierio.errors import ConfigError
 from tierio.units import human_bytes, parse_size
 
@@ -42,6 +44,8 @@ TARGETS = {
     "stall_vs_memcpy": (">=", 0.67),
     "stall_vs_dcp_async": (">=", 3.0),
     "overlap_stall_vs_memcpy": (">=", 4.0),
+    "incremental_bytes_ratio": (">=", 10.0),
+    "incremental_persist_vs_full": (">=", 5.0),
     "restore_vs_fio_read": (">=", 0.9),
     "restore_vs_dcp_load": (">=", 1.0),
     "restore_alloc_vs_fio_read": (">=", 0.9),
@@ -283,6 +287,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         log("tierio: overlapped saves in a training loop")
         ovl = overlap.measure(state, work / "overlap", args.repeat, memcpy_s)
         shutil.rmtree(work / "overlap", ignore_errors=True)
+        log("tierio: incremental saves, 95% of the state unchanged")
+        inc = incremental.measure(state, work / "incremental")
+        shutil.rmtree(work / "incremental", ignore_errors=True)
         log("torch.distributed.checkpoint: save, load, async_save")
         dcp_r = _dcp(state, work / "dcp")
         shutil.rmtree(work / "dcp", ignore_errors=True)
@@ -301,6 +308,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "stall_vs_memcpy": memcpy_s / tio["blocking_wall_s"],
         "stall_vs_dcp_async": dcp_r["async_blocking_s"] / tio["blocking_wall_s"],
         "overlap_stall_vs_memcpy": ovl["ratio"],
+        "incremental_bytes_ratio": inc["bytes_ratio"],
+        "incremental_persist_vs_full": inc["persist_ratio"],
         "restore_vs_fio_read": (nbytes / tio["restore_into_s"]) / fio_read,
         "restore_vs_dcp_load": dcp_r["load_s"] / tio["restore_into_s"],
         "restore_alloc_vs_fio_read": (nbytes / tio["restore_alloc_s"]) / fio_read,
@@ -324,6 +333,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "restore_bytes_per_s": nbytes / tio["restore_into_s"],
                    "restore_alloc_bytes_per_s": nbytes / tio["restore_alloc_s"]},
         "overlap": ovl,
+        "incremental": inc,
         "dcp": dcp_r,
         "torch_save_fsync_s": torch_save_s,
         "memcpy_s": memcpy_s,

@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierio.errors import FormatError, IntegrityError, NotFoundError, StorageError, TierioError
-from tierio.format.manifest import Manifest, RankEntry, RecordRef, encode_record, parse_manifest, parse_record, utc_now
+from tierio.format.manifest import (
+    INCREMENTAL_FIELD, Manifest, RankEntry, RecordRef, encode_record, parse_manifest, parse_record, utc_now,
+)
 from tierio.format.shard import manifest_key, parse_record_name, record_name, shard_name, step_dir, step_key
 from tierio.io.checksum import xxh3
 from tierio.io.engine import run_windows
@@ -210,7 +212,10 @@ def build_manifest(store: Store, plan: CommitPlan) -> Manifest:
     else:
         ranks = [RankEntry(r, shard_name(r), plan.shard_bytes[r], None, {}, plan.records[r])
                  for r in range(plan.world_size)]
-    return Manifest(plan.step, plan.world_size, ranks, stamp, ts, plan.extra, plan.tree)
+    extra = plan.extra
+    if any(e.refs for e in plan.known.values()):  # readers of the manifest alone see it (records by reference)
+        extra = {**extra, INCREMENTAL_FIELD: True}
+    return Manifest(plan.step, plan.world_size, ranks, stamp, ts, extra, plan.tree)
 
 
 def commit(store: Store, manifest: Manifest, merged: list[str]) -> bytes:

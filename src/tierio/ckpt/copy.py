@@ -6,8 +6,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tierio.errors import ConfigError, IntegrityError
-from tierio.format.manifest import Manifest, RankEntry, RecordRef
+from tierio.errors import ConfigError, DanglingReferenceError, IntegrityError, NotFoundError
+from tierio.format.manifest import ChunkInfo, Manifest, RankEntry, RecordRef
 from tierio.format.shard import manifest_key, step_dir, step_key
 from tierio.io.buffers import BufferPool
 from tierio.io.checksum import xxh3
@@ -57,6 +57,8 @@ def verify_chunks(view: memoryview, entry: RankEntry, label: str, then: str) -> 
     naming ``label``, the tensor and the chunk, followed by ``then`` (what is not done), otherwise."""
     for t in entry.tensors.values():
         for i, c in enumerate(t.chunks):
+            if c.is_ref:
+                continue  # in an earlier step's shard, verified where it is copied (copy_refs)
             if c.end > len(view):
                 raise IntegrityError(f"{label} is {len(view)} bytes, too short for tensor {t.name!r} chunk {i}; {then}")
             got = xxh3(view[c.begin : c.end])
@@ -86,14 +88,63 @@ def copy_record(src: Store, dst: Store, step: int, ref: RecordRef) -> CopyStats:
     return CopyStats(len(raw), time.perf_counter() - t0, 1)
 
 
+def copy_refs(src: Store, dst: Store, step: int, entry: RankEntry, pool: BufferPool,
+              limiter: TokenBucket | None = None) -> CopyStats:
+    """The earlier steps' shards an incremental checkpoint's ``entry`` refers to and ``dst`` lacks,
+    copied whole with every referenced chunk verified. A referenced file missing on ``src`` is a
+    DanglingReferenceError naming the step, the tensor and the file."""
+    chunks: dict[str, list[tuple[str, ChunkInfo]]] = {}
+    for t in entry.tensors.values():
+        for c in t.chunks:
+            if c.is_ref:
+                chunks.setdefault(c.file, []).append((t.name, c))
+    stats = CopyStats()
+    for key, used in sorted(chunks.items()):
+        t0 = time.perf_counter()
+        try:
+            size = src.stat(key).size
+        except NotFoundError:
+            raise DanglingReferenceError(
+                f"dangling reference: step {step} rank {entry.rank} tensor {used[0][0]!r} refers to {where(src, key)}, "
+                "which is missing; not promoting an incomplete checkpoint", step, used[0][0], key) from None
+        if size in _sizes_on(dst, key):
+            continue  # already there (promoted with the step that wrote it, or with another reference)
+        buf = pool.acquire(size)
+        try:
+            view = buf.view[:size]
+            if size:
+                src.read_into(key, 0, view)
+            for name, c in used:
+                got = xxh3(view[c.begin : c.end]) if c.end <= size else "outside the file"
+                if got != c.xxh3:
+                    raise IntegrityError(f"checksum mismatch in {where(src, key)}, tensor {name!r} (referred to by step "
+                                         f"{step}): expected {c.xxh3}, got {got}; not promoting a corrupt copy")
+            if limiter is not None and getattr(dst, "limiter", None) is None:
+                limiter.consume(size)
+            dst.put_buffers(key, [view])
+        finally:
+            pool.release(buf)
+        stats.add(CopyStats(size, time.perf_counter() - t0, 1))
+    return stats
+
+
+def _sizes_on(store: Store, key: str) -> list[int]:
+    try:
+        return [store.stat(key).size]
+    except NotFoundError:
+        return []
+
+
 def copy_rank(src: Store, dst: Store, man: Manifest, rank: int, pool: BufferPool,
               limiter: TokenBucket | None = None) -> CopyStats:
-    """Copy one rank's files of a committed step (its shard, and its record when referenced)."""
+    """Copy one rank's files of a committed step (its shard, its record when referenced, and the
+    earlier shards an incremental checkpoint refers to that ``dst`` lacks)."""
     entry = man.ranks[rank]
     stats = CopyStats()
     if entry.record is not None:
         stats.add(copy_record(src, dst, man.step, entry.record))
         entry = read_record(src, man.step, man.world_size, entry.record)
+    stats.add(copy_refs(src, dst, man.step, entry, pool, limiter))
     stats.add(copy_shard(src, dst, man.step, entry, pool, limiter))
     return stats
 
@@ -104,6 +155,8 @@ def files_present(dst: Store, man: Manifest, sizes: dict[str, int] | None = None
     sizes = list_sizes(dst, step_dir(man.step) + "/") if sizes is None else sizes
     for e in man.ranks:
         if sizes.get(step_key(man.step, e.file)) != e.bytes:
+            return False
+        if any(not dst.exists(key) for key in e.refs):  # copied by copy_refs before the shard
             return False
         if e.record is not None and sizes.get(step_key(man.step, e.record.name)) != e.record.bytes:
             return False

@@ -15,7 +15,9 @@ From one listing per tier it removes, in this order:
    upload in progress carries no lock at all.
 
 Deleting a step removes its manifest first, so an interrupted deletion never leaves something that
-looks like a checkpoint. Stores never follow a link below their root, so nothing is deleted
+looks like a checkpoint, and keeps the files another committed step on the same tier still refers to
+(incremental checkpoints, ``ckpt.refs``): its directory then holds only those, and goes as debris
+once nothing refers to them. A tier that cannot be read to count references loses nothing. Stores never follow a link below their root, so nothing is deleted
 through one.
 """
 
@@ -25,11 +27,12 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tierio.errors import StorageError
+from tierio.errors import StorageError, TierioError
 from tierio.format.shard import manifest_key, step_dir
 from tierio.storage.base import Store
 
 from tierio.ckpt.reader import commit_times, committed_in, committed_steps, step_dirs
+from tierio.ckpt.refs import referenced
 from tierio.ckpt.retention import Retention, gc_plan
 
 log = logging.getLogger("tierio.ckpt")
@@ -88,10 +91,31 @@ class _Listing:
     held: dict[int, float]  # committed step -> commit time
 
 
-def delete_step(store: Store, step: int) -> None:
-    """Delete one step's copy: the manifest first (it stops being a checkpoint), then the rest."""
+def delete_step(store: Store, step: int, keep: set[str] | None = None) -> None:
+    """Delete one step's copy: the manifest first (it stops being a checkpoint), then the rest but
+    the files in ``keep`` (default: those a later committed step on ``store`` refers to)."""
+    if keep is None:
+        keep = referenced(store, [s for s in committed_steps(store) if s > step])
     store.delete(manifest_key(step))
-    store.delete_prefix(step_dir(step) + "/")
+    prefix = step_dir(step) + "/"
+    kept = {k for k in keep if k.startswith(prefix)}
+    if not kept:
+        store.delete_prefix(prefix)
+        return
+    for key in store.list(prefix):
+        if key not in kept:
+            store.delete(key)
+
+
+def _still_referenced(tier: GcTier, steps: list[int], report: GcReport) -> set[str] | None:
+    """The files the surviving committed ``steps`` of ``tier`` refer to; None (and the tier is
+    skipped) when the tier cannot be read: nothing is deleted on a guess."""
+    try:
+        return referenced(tier.store, steps, tier.commits_on)
+    except TierioError as exc:
+        report.skipped.append(Skipped(tier.url, f"cannot count the references between its checkpoints: {exc}"))
+        log.warning("garbage collection skipped %s: cannot count references: %s", tier.url, exc)
+        return None
 
 
 def _list(tier: GcTier, report: GcReport) -> _Listing:
@@ -115,21 +139,29 @@ def collect(tiers: Sequence[GcTier], options: GcOptions = GcOptions()) -> GcRepo
                    protected=set(options.protected), names=[t.url for t in tiers])
     report.warnings += plan.warnings
     doomed = [(i, s) for i, s in plan.delete if tiers[i].writable]
+    gone = {(i, s) for i, s in doomed}
+    keeps: dict[int, set[str] | None] = {}
+    for i, (tier, listing) in enumerate(zip(tiers, listed)):
+        if tier.writable and (any(j == i for j, _ in doomed) or len(listing.dirs) > len(listing.held)):
+            keeps[i] = _still_referenced(tier, sorted(s for s in listing.held if (i, s) not in gone), report)
+    doomed = [(i, s) for i, s in doomed if keeps.get(i) is not None]
+    gone = {(i, s) for i, s in doomed}
     for i, step in doomed:
         if not options.dry_run:
-            delete_step(tiers[i].store, step)
+            delete_step(tiers[i].store, step, keeps[i])
         report.deleted.append(Removed(tiers[i].url, step))
-    gone = {(i, s) for i, s in doomed}
     for i, (tier, listing) in enumerate(zip(tiers, listed)):
-        if not tier.writable:
+        if not tier.writable or (i in keeps and keeps[i] is None):
             continue
         newest = max(listing.held, default=-1)
         abandoned = sorted(s for s in listing.dirs if s < newest and s not in listing.held and s not in options.protected)
         try:
+            keep = keeps.get(i) or set()
             for s in abandoned:
                 if not options.dry_run:
-                    delete_step(tier.store, s)
-                report.uncommitted.append(Removed(tier.url, s))
+                    delete_step(tier.store, s, keep)
+                if not any(k.startswith(step_dir(s) + "/") for k in keep):  # else: shards a checkpoint refers to
+                    report.uncommitted.append(Removed(tier.url, s))
             if tier.sweep and not options.dry_run:
                 finished = [s for s in listing.held if (i, s) not in gone and s not in options.protected]
                 report.leftovers += _sweep(tier.store, finished, options.temp_grace)

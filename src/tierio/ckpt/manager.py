@@ -41,7 +41,7 @@ from tierio.dist import rank_world
 from tierio.errors import (
     ConfigError, FormatError, IntegrityError, LeaseError, NotFoundError, StorageError, TierioError,
 )
-from tierio.format.manifest import RankEntry
+from tierio.format.manifest import RankEntry, TensorInfo
 from tierio.format.shard import Placement, ShardBytes, describe, manifest_key, plan_shard, shard_key, shard_name, step_dir
 from tierio.format.statetree import flatten
 from tierio.io.buffers import BufferPool, align_up
@@ -54,6 +54,7 @@ from tierio.ckpt.copy import CopyStats, copy_pool, copy_shard
 from tierio.ckpt.fill import fill_after_restore
 from tierio.ckpt.interval import IntervalPlan, check_mtbf, measured_cost, optimal_interval, save_due
 from tierio.ckpt.gc import TEMP_GRACE, GcOptions, GcTier, collect
+from tierio.ckpt.incremental import Base, diff
 from tierio.ckpt.lease import TierLeases
 from tierio.ckpt.lineage import Lineage, Rollback
 from tierio.ckpt.buddy import Buddy, agree as agree_node_copies
@@ -132,6 +133,8 @@ class CheckpointManager:
         self._warned_min_keep = False
         self._stager = Stager()
         self._overlap = Overlap(self._stager) if opts.overlap else None
+        self._base: Base | None = None  # incremental saves: this rank's entry of its last committed step
+        self._bases: dict[int, int] = {}  # step in flight -> the base step it refers to (kept from retention)
         self._gc_lock = threading.Lock()
         self._persist_pool = ThreadPoolExecutor(1, thread_name_prefix="tierio-ckpt-persist")
         self._checksum_pool = ThreadPoolExecutor(1, thread_name_prefix="tierio-ckpt-checksum")
@@ -145,6 +148,9 @@ class CheckpointManager:
         if not t0.node_local:
             raise ConfigError("buddy=True copies each node's tier 0 to another node: it needs a node-local tier 0, "
                               "e.g. Tier('/nvme/ckpt', scope='node')")
+        if opts.incremental:  # a buddy copy carries one shard, not the earlier shards it refers to
+            raise ConfigError("buddy=True and incremental=True cannot be combined: a buddy copy holds one step's "
+                              "shard, not the earlier shards an incremental step refers to; choose one")
         rate = parse_size(opts.buddy_bandwidth) if isinstance(opts.buddy_bandwidth, str) else opts.buddy_bandwidth
         rate = promote_rate if rate is None else rate
         return Buddy.setup(t0.store, self.rank, self.world_size, self._group, self.node, rate or None,
@@ -562,6 +568,7 @@ class CheckpointManager:
         (they belong to the abandoned branch) and that save retires them everywhere."""
         with self._lock:
             self.restored_step, self.restored_from = step, url
+            self._base = None  # the first save after a restore is a full one
             self._rollback = Rollback(step)
             self._saved_since_restore = set()
             self._pending = {s for s in self._pending if s <= step}
@@ -590,6 +597,8 @@ class CheckpointManager:
         try:
             start = time.perf_counter()
             own, lineage = self._write(step, job, self.world_size > 1 or self._tiers[0].node_local)
+            if self.options.incremental:
+                handle.committed.add_done_callback(lambda f, e=own.entry: self._committed(step, e, f))
             if self._tiers[0].node_local:
                 with self._lock:
                     self._unpublished[step] = (own, lineage)
@@ -608,6 +617,7 @@ class CheckpointManager:
             self._cleanup_failed(step, own)
             with self._lock:
                 self._inflight.discard(step)
+                self._bases.pop(step, None)
                 if self._error is None and not (job.snapshot is not None and job.snapshot.reported):
                     self._error = exc
             self._staging.wake()  # a save waiting for a buffer raises this error instead
@@ -634,24 +644,52 @@ class CheckpointManager:
             self._cluster.ensure(t0)  # other ranks: wait for the leader's lease naming this run
             if job.rollback is not None:
                 self._retire(job.rollback)
-            parts, view = job.parts()
             fname = shard_name(self.rank)
+            size, tensors = self._write_shard(step, job, fname)
+        finally:
+            if job.buf is not None:
+                self._staging.release(job.buf)
+        entry = RankEntry(self.rank, fname, size, job.tree, tensors)
+        lineage = Lineage(self._run(), job.rollback.after if job.rollback is not None else None)
+        ref = write_record(t0.store, step, self.world_size, entry, lineage.token) if record else None
+        return Own(entry, ref), lineage
+
+    def _write_shard(self, step: int, job: Staged, fname: str) -> tuple[int, dict[str, TensorInfo]]:
+        """Write this rank's shard of ``step`` to tier 0; returns its size and tensors. An incremental
+        save with a base writes only the tensors that changed since it (``ckpt.incremental``)."""
+        t0 = self._tiers[0]
+        parts, view = job.parts()
+        with self._lock:
+            base = self._base if self.options.incremental and job.direct is None else None
+            if base is not None:
+                self._bases[step] = base.step
+        start = time.perf_counter()
+        if base is not None:
+            delta = diff(job.layout, view, fname, job.places, base)  # type: ignore[arg-type]
+            t0.store.put_buffers(shard_key(step, self.rank), delta.parts)
+            size, tensors = delta.layout.total_bytes, delta.tensors
+            with self._lock:
+                self._saves_update(step, written_bytes=size, reused_bytes=delta.reused_bytes, base_step=base.step)
+        else:
             # Checksum the bytes while the same bytes stream to disk (both only read them); the
             # record needs the checksums only once the shard is durable.
             sums = self._checksum_pool.submit(describe, job.layout, view, fname, job.places)
-            start = time.perf_counter()
             try:
                 t0.store.put_buffers(shard_key(step, self.rank), parts)
             finally:
                 tensors = sums.result()
-            self._account(t0, CopyStats(job.layout.total_bytes, time.perf_counter() - start, 1))
-        finally:
-            if job.buf is not None:
-                self._staging.release(job.buf)
-        entry = RankEntry(self.rank, fname, job.layout.total_bytes, job.tree, tensors)
-        lineage = Lineage(self._run(), job.rollback.after if job.rollback is not None else None)
-        ref = write_record(t0.store, step, self.world_size, entry, lineage.token) if record else None
-        return Own(entry, ref), lineage
+            size = job.layout.total_bytes
+        self._account(t0, CopyStats(size, time.perf_counter() - start, 1))
+        return size, tensors
+
+    def _committed(self, step: int, entry: RankEntry, done: Any) -> None:
+        """An incremental save's commit settled: a committed step becomes the next saves' base."""
+        with self._lock:
+            self._bases.pop(step, None)
+            if done.cancelled() or done.exception() is not None:
+                return
+            if self._base is None or step > self._base.step:
+                self._base = Base(step, entry)
 
     def _run(self) -> str:
         run = self._leases.run
@@ -810,7 +848,7 @@ class CheckpointManager:
                 tiers.append(GcTier(ts.store, ts.tier.retention, writable, sweep_all or ts.url not in self._swept,
                                     shared if ts.node_local else None))
             with self._lock:
-                protected = frozenset(self._inflight | self._pending | set(self._unpublished))
+                protected = frozenset(self._inflight | self._pending | set(self._unpublished) | set(self._bases.values()))
             report = collect(tiers, GcOptions(self.min_keep, protected, temp_grace=TEMP_GRACE))
             for w in report.warnings:
                 if not self._warned_min_keep:  # once per manager; the log keeps every instance

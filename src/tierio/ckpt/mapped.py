@@ -26,15 +26,15 @@ import torch
 
 from tierio import events
 from tierio.errors import FormatError, IntegrityError, NotFoundError, StorageError
-from tierio.format.manifest import ChunkInfo, RankEntry
+from tierio.format.manifest import ChunkInfo, RankEntry, file_key
 from tierio.format.safetensors import torch_dtype
-from tierio.format.shard import step_dir
 from tierio.io.checksum import verify as verify_checksum
 from tierio.io.mapping import MAP_CHUNK, FileMapping, page_start, populate_windows
 from tierio.storage.local import LocalStore
 
 from tierio.ckpt.commit import where
 from tierio.ckpt.reader import check_shard
+from tierio.ckpt.refs import no_good_copy
 from tierio.ckpt.reshard import Stored, Target, contiguous_at, cover
 from tierio.ckpt.source import Source
 
@@ -130,7 +130,7 @@ def map_all(step: int, entry_of: Callable[[int], RankEntry], placed_tensors: Seq
         by_file.setdefault(p.file, []).append(p)
     out = MapOutcome()
     for file, tensors in sorted(by_file.items()):
-        key = f"{step_dir(step)}/{file}"
+        key = file_key(step, file)
         problems: list[str] = []
         for src in sources:
             if not isinstance(src.store, LocalStore):
@@ -156,7 +156,7 @@ def map_all(step: int, entry_of: Callable[[int], RankEntry], placed_tensors: Seq
                 log.warning("%s", msg)
             break
         else:
-            raise IntegrityError(f"no good copy of {file} of step {step} on any tier: " + "; ".join(problems or ["not found"]))
+            raise no_good_copy(step, file, [t.stored.name for t in tensors], problems)
     return out
 
 

@@ -32,7 +32,9 @@ class CheckpointOptions:
     the same local index on the next node, which keeps it on its tier 0, so that a lost node's
     ranks restore from it before the step reaches the shared tier (``ckpt.buddy``);
     ``buddy_bandwidth``: limit on what each rank sends to its buddy (bytes/s or text; default the
-    ``promote_bandwidth``, 0: no limit)."""
+    ``promote_bandwidth``, 0: no limit);
+    ``incremental``: a save writes only the tensors that changed since the last step this manager
+    committed, the manifest refers to the earlier shards for the others (``ckpt.incremental``)."""
 
     memory_budget: int | str | None = None
     double_buffer: bool = False
@@ -48,6 +50,7 @@ class CheckpointOptions:
     overlap: bool = False
     buddy: bool = False
     buddy_bandwidth: float | str | None = None
+    incremental: bool = False
 
     def with_overrides(self, overrides: dict[str, Any]) -> CheckpointOptions:
         """These options with keyword arguments (the manager's older keywords) applied."""

@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass, field
 
 from tierio.errors import FormatError, IntegrityError, NotFoundError, StorageError, TierioError
-from tierio.format.manifest import MAX_MANIFEST_BYTES, Manifest, RankEntry, parse_manifest
+from tierio.format.manifest import MAX_MANIFEST_BYTES, Manifest, RankEntry, file_key, parse_manifest
 from tierio.format.safetensors import read_header_from
 from tierio.format.shard import manifest_key, parse_step_dir, step_dir
 from tierio.io.buffers import HostBuffer
@@ -73,11 +73,13 @@ def check_shard(store: Store, step: int, entry: RankEntry) -> None:
         raise IntegrityError(f"{w} is {size} bytes but the manifest records {entry.bytes}: the file is truncated or was replaced")
     header = read_header_from(lambda offset, n: read_bytes(store, key, offset, n), size, w)
     for t in entry.tensors.values():
+        if all(c.is_ref for c in t.chunks):
+            continue  # an unchanged tensor of an incremental checkpoint: its bytes are in an earlier shard
         e = header.tensors.get(t.name)
         if e is None or e.dtype != t.dtype:
             raise IntegrityError(f"{w}: tensor {t.name!r} is missing from the shard header or has another dtype")
         lo, hi = header.data_offset + e.begin, header.data_offset + e.end
-        if any(c.begin < lo or c.end > hi for c in t.chunks):
+        if any(c.begin < lo or c.end > hi for c in t.chunks if not c.is_ref):
             raise IntegrityError(f"{w}: the chunks of tensor {t.name!r} lie outside its bytes in the shard header")
 
 
@@ -177,16 +179,22 @@ def _verify_files(store: Store, man: Manifest, report: VerifyReport, chunk_buf_b
         for t in entry.tensors.values():
             for i, c in enumerate(t.chunks):
                 cname = f"tensor {t.name!r} chunk {i} bytes {c.begin}..{c.end}"
+                ckey = file_key(step, c.file)  # an incremental checkpoint's chunk may lie in an earlier step's shard
                 try:
                     if buf is None or buf.capacity < c.nbytes:
                         buf = HostBuffer(max(c.nbytes, min(chunk_buf_bytes, entry.bytes)), prefault=False)
                     view = buf.view[: c.nbytes]
                     if c.nbytes:
-                        store.read_into(key, c.begin, view)
+                        store.read_into(ckey, c.begin, view)
                     report.bytes_checked += c.nbytes
                     got = xxh3(view)
                     if got != c.xxh3:
-                        report.problems.append(Problem(tier, key, cname, f"checksum mismatch: expected xxh3 {c.xxh3}, got {got}"))
+                        report.problems.append(Problem(tier, ckey, cname, f"checksum mismatch: expected xxh3 {c.xxh3}, got {got}"
+                                                       + (f" (referred to by step {step})" if c.is_ref else "")))
+                except NotFoundError as exc:
+                    msg = (f"dangling reference: step {step} rank {entry.rank} tensor {t.name!r} refers to {ckey}, which is "
+                           "missing on this tier" if c.is_ref else str(exc))
+                    report.problems.append(Problem(tier, ckey, cname, msg))
                 except TierioError as exc:
-                    report.problems.append(Problem(tier, key, cname, str(exc)))
+                    report.problems.append(Problem(tier, ckey, cname, str(exc)))
 

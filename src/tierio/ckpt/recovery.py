@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierio import events
-from tierio.errors import ConfigError, FormatError, IntegrityError, NotFoundError, StorageError
+from tierio.errors import ConfigError, DanglingReferenceError, FormatError, IntegrityError, NotFoundError, StorageError
 from tierio.format.shard import manifest_key, shard_name
 
 from tierio.ckpt.buddy import NodeCopies
@@ -87,6 +87,7 @@ def restore(req: Request, candidates: list[int], agreement: Agreement, explicit:
     """Restore the newest of ``candidates`` (newest first) that every rank can; ``explicit``: the
     caller named the step (no falling back)."""
     tried: set[int] = set()
+    dangling: DanglingReferenceError | None = None  # the last step failed only for a missing referenced file
     while True:
         step = agreement.newest_common([c for c in candidates if c not in tried])
         if step is None:
@@ -97,6 +98,7 @@ def restore(req: Request, candidates: list[int], agreement: Agreement, explicit:
             ok = True
         except RESTORE_ERRORS as exc:
             req.failures.append(str(exc))
+            dangling = exc if isinstance(exc, DanglingReferenceError) else None
             ok, state, url, stats = False, None, "", RestoreStats()
         except Exception as exc:  # noqa: BLE001 - raised below, after the other ranks heard of it
             ok, state, url, stats, fatal = False, None, "", RestoreStats(), exc
@@ -112,8 +114,10 @@ def restore(req: Request, candidates: list[int], agreement: Agreement, explicit:
             warnings.warn(f"no valid copy of step {step} on any tier; falling back to an older step", stacklevel=3)
     if not candidates:
         raise NotFoundError(f"no committed checkpoint on any tier ({', '.join(t.url for t in req.tiers)})")
-    raise IntegrityError(f"no valid copy of step {candidates[0] if explicit else 'any'} on any tier: "
-                         + "; ".join(req.failures or ["none found"]))
+    msg = f"no valid copy of step {candidates[0] if explicit else 'any'} on any tier: " + "; ".join(req.failures or ["none found"])
+    if dangling is not None:
+        raise DanglingReferenceError(msg, dangling.step, dangling.tensor, dangling.file)
+    raise IntegrityError(msg)
 
 
 def restore_step(req: Request, step: int) -> tuple[Any, str, RestoreStats]:
@@ -121,6 +125,8 @@ def restore_step(req: Request, step: int) -> tuple[Any, str, RestoreStats]:
     every file from the fastest tier with a good copy."""
     if req.node_copies is not None and step in req.node_copies.plans:
         return restore_from_nodes(req, req.node_copies, step)
+    dangling: DanglingReferenceError | None = None
+    only_dangling = True
     for ts in req.tiers:
         if ts.node_local or not ts.store.exists(manifest_key(step)):
             continue
@@ -134,12 +140,17 @@ def restore_step(req: Request, step: int) -> tuple[Any, str, RestoreStats]:
                              per_rank=req.per_rank, map_files=req.mapped)
             return got.state, got.read_from.get(shard_name(own_rank(man, req.rank)), ts.url), got.stats
         except RESTORE_ERRORS as exc:
+            only_dangling = only_dangling and isinstance(exc, DanglingReferenceError)
+            dangling = exc if isinstance(exc, DanglingReferenceError) else dangling
             msg = f"copy of step {step} on {ts.url} is unusable: {exc}"
             warnings.warn(msg + "; trying the next tier", stacklevel=4)
             log.warning("%s", msg)
             req.failures.append(msg)
             events.emit(events.CopyUnusable(step, ts.url, str(exc)))
-    raise IntegrityError(f"no valid copy of step {step} on any tier: " + "; ".join(req.failures[-3:] or ["none found"]))
+    msg = f"no valid copy of step {step} on any tier: " + "; ".join(req.failures[-3:] or ["none found"])
+    if dangling is not None and only_dangling:  # every copy failed on a missing referenced file
+        raise DanglingReferenceError(msg, dangling.step, dangling.tensor, dangling.file)
+    raise IntegrityError(msg)
 
 
 def restore_from_nodes(req: Request, copies: NodeCopies, step: int) -> tuple[Any, str, RestoreStats]:

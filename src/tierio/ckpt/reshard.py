@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tierio.errors import FormatError
-from tierio.format.manifest import ChunkInfo, RankEntry
+from tierio.format.manifest import ChunkInfo, RankEntry, file_key
 from tierio.format.safetensors import torch_dtype
-from tierio.format.shard import step_dir
 from tierio.format.slices import Box
 from tierio.io.checksum import verify as verify_checksum
 from tierio.storage.base import Store
@@ -33,7 +32,8 @@ from tierio.storage.scatter import Whole, read_scatter, read_whole
 
 @dataclass(frozen=True)
 class Piece:
-    """One stored chunk: in ``file`` (rank ``rank``'s shard), holding ``chunk.shape`` at ``chunk.offsets``."""
+    """One stored chunk: in ``file`` (rank ``rank``'s shard, or the earlier step's shard an incremental
+    checkpoint refers to), holding ``chunk.shape`` at ``chunk.offsets``."""
 
     rank: int
     file: str
@@ -65,13 +65,13 @@ def global_tensors(entries: Iterable[RankEntry]) -> dict[str, Stored]:
         for t in e.tensors.values():
             if t.is_global:
                 s = out.setdefault(t.name, Stored(t.name, t.dtype, t.shape))
-                s.pieces.extend(Piece(e.rank, e.file, c) for c in t.chunks)
+                s.pieces.extend(Piece(e.rank, c.file, c) for c in t.chunks)
     return out
 
 
 def own_tensors(entry: RankEntry) -> dict[str, Stored]:
     """The tensors a rank saved as its own (whole, in its shard)."""
-    return {t.name: Stored(t.name, t.dtype, t.shape, [Piece(entry.rank, entry.file, c) for c in t.chunks])
+    return {t.name: Stored(t.name, t.dtype, t.shape, [Piece(entry.rank, c.file, c) for c in t.chunks])
             for t in entry.tensors.values() if not t.is_global}
 
 
@@ -186,7 +186,7 @@ def plan_reads(wanted: list[tuple[Stored, Target]], where: str) -> dict[str, Fil
 def read_file(store: Store, step: int, reads: FileReads, where: str) -> int:
     """Read one file's chunks from ``store`` into their targets, verifying every chunk; returns bytes.
     An IntegrityError leaves the targets partly written: the caller reads the file again elsewhere."""
-    key = f"{step_dir(step)}/{reads.file}"
+    key = file_key(step, reads.file)  # a chunk of an incremental checkpoint may lie in an earlier step's shard
 
     def verify(i: int) -> None:  # as soon as the chunk is in, while other chunks are read
         p, view = reads.direct[i]

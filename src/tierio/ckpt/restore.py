@@ -34,7 +34,7 @@ import torch
 
 from tierio import events
 from tierio.errors import ConfigError, FormatError, IntegrityError, NotFoundError, StorageError
-from tierio.format.manifest import Manifest, RankEntry
+from tierio.format.manifest import Manifest, RankEntry, file_key
 from tierio.format.safetensors import torch_dtype
 from tierio.format.shard import step_dir
 from tierio.format.slices import Box, TensorSlice, dtensor_box, is_dtensor
@@ -46,6 +46,7 @@ from tierio.io.untrusted import parsing
 from tierio.ckpt.commit import read_record, where
 from tierio.ckpt.mapped import map_all, placed
 from tierio.ckpt.reader import check_shard
+from tierio.ckpt.refs import no_good_copy
 from tierio.ckpt.reshard import Stored, Target, global_tensors, own_tensors, plan_reads, read_file
 from tierio.ckpt.source import Source
 
@@ -307,7 +308,7 @@ def read_all(manifest: Manifest, loaded: Loaded, wanted: list[tuple[Stored, Targ
     for file, reads in plan_reads(wanted, where(sources[0].store, f"{step_dir(manifest.step)}/manifest.json")).items():
         problems: list[str] = []
         for src in sources:
-            w = where(src.store, f"{step_dir(manifest.step)}/{file}")
+            w = where(src.store, file_key(manifest.step, file))
             try:
                 check_shard(src.store, manifest.step, loaded.entry(reads.rank))
                 read_file(src.store, manifest.step, reads, w)
@@ -320,7 +321,7 @@ def read_all(manifest: Manifest, loaded: Loaded, wanted: list[tuple[Stored, Targ
                 problems.append(str(exc))
                 events.emit(events.CopyUnusable(manifest.step, src.store.url, str(exc)))
         else:
-            raise IntegrityError(f"no good copy of {file} of {label} on any tier: " + "; ".join(problems or ["not found"]))
+            raise no_good_copy(manifest.step, file, [s.name for s, _ in wanted if file in s.files], problems)
         if problems:
             msg = f"read {file} of {label} from {src.store.url}; the copies passed over are unusable: " + "; ".join(problems)
             warnings.warn(msg, stacklevel=4)

@@ -154,14 +154,18 @@ def _summary(man: Any) -> dict[str, Any]:
 def cmd_ls(args: argparse.Namespace) -> int:
     from tierio.ckpt import list_checkpoints
     from tierio.ckpt.reader import step_dirs
+    from tierio.ckpt.refs import reference_only
 
     with _store(args.url) as store:
         infos = list_checkpoints(store)
-        partial = sorted(set(step_dirs(store)) - {i.step for i in infos})
+        dirs = step_dirs(store)
+        held = reference_only(store, dirs)  # shards of deleted steps that incremental checkpoints refer to
+        partial = sorted(set(dirs) - {i.step for i in infos} - held)
         lease = _lease(store)
     rows = [i.to_dict() for i in infos if i.error is None]
     bad = [{"step": i.step, "problem": i.error} for i in infos if i.error is not None]
-    result = {"url": args.url, "checkpoints": rows, "unreadable": bad, "uncommitted": partial, "lease": lease}
+    result = {"url": args.url, "checkpoints": rows, "unreadable": bad, "uncommitted": partial,
+              "referenced_only": sorted(held), "lease": lease}
     if args.json:
         print_json(result)
         return 0
@@ -178,6 +182,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         out.print(f"{len(partial)} step director{'y' if len(partial) == 1 else 'ies'} without a manifest "
                   f"(uncommitted, never restored): {', '.join(map(str, partial[:10]))}"
                   + (" ..." if len(partial) > 10 else ""))
+    if held:
+        out.print(f"{len(held)} deleted step{'s' if len(held) > 1 else ''} whose shards later checkpoints still refer to "
+                  f"(incremental): {', '.join(map(str, sorted(held)[:10]))}" + (" ..." if len(held) > 10 else ""))
     if lease is not None:
         out.print(f"write lease: {lease['holder']}" + (f" [stale: {lease['stale']}]" if lease["stale"] else ""))
     return 0
@@ -265,11 +272,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from tierio.ckpt import verify
     from tierio.ckpt.reader import step_dirs
+    from tierio.ckpt.refs import reference_only
 
     reports = []
     with _store(args.url) as store:
         if args.all:
-            steps = sorted(step_dirs(store))  # committed or not: a directory without a manifest is flagged
+            dirs = step_dirs(store)
+            # committed or not: a directory without a manifest is flagged, unless it holds only shards
+            # that committed (incremental) checkpoints refer to
+            steps = sorted(set(dirs) - reference_only(store, dirs))
             if not steps:
                 raise NotFoundError(f"no checkpoint in {args.url}")
         else:

@@ -15,7 +15,12 @@ version 1, byte for byte as before):
   checkpoint written through torch.distributed.checkpoint);
 * **records by reference**: with thousands of ranks the per-rank entries do not fit one manifest,
   so a rank entry may instead name the rank's record file in the step directory with its size and
-  xxh3 (``"record": {"name", "bytes", "xxh3"}``); a reader loads only the records it needs.
+  xxh3 (``"record": {"name", "bytes", "xxh3"}``); a reader loads only the records it needs;
+* **chunk references** (incremental checkpoints): a chunk whose ``file`` is
+  ``step_<9 digits>/rank_<5 digits>.safetensors`` lies in that shard of an *earlier* step of the
+  same checkpoint directory, unchanged (its xxh3 says so). A reference always names the file that
+  holds the bytes (never a chain through another reference), so references cannot form a cycle; a
+  reference to the same or a later step is refused as corrupt or hostile.
 
 The reader trusts nothing: the size is bounded, file names must be plain names inside the step
 directory, ranges must lie inside their file and not overlap, dtypes must be known, byte counts
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -49,6 +55,27 @@ MAX_WORLD_SIZE = 1 << 20
 MAX_DIMS = 64
 MAX_CHUNKS = 1 << 24
 MANIFEST_NAME = "manifest.json"
+# in ``extra``: the committer's own entry refers to earlier steps (the manifest may name records only)
+INCREMENTAL_FIELD = "tierio.incremental"
+# a chunk in a shard of an earlier step: "step_000000010/rank_00000.safetensors"
+_REF_RE = re.compile(r"step_(\d{9})/(rank_\d{5}\.safetensors)")
+
+
+def ref_step(file: str) -> int | None:
+    """The earlier step a chunk's ``file`` refers to, or None for a file of the step itself."""
+    m = _REF_RE.fullmatch(file) if "/" in file else None
+    return int(m.group(1)) if m else None
+
+
+def ref_file(step: int, name: str) -> str:
+    """The reference to file ``name`` of ``step`` (as a later step's chunk names it)."""
+    return f"step_{step:09d}/{name}"
+
+
+def file_key(step: int, file: str) -> str:
+    """The store key of a chunk's ``file`` in a checkpoint of ``step``: a file of the step itself
+    lives in its directory; a reference already names the earlier step's directory."""
+    return file if "/" in file else f"step_{step:09d}/{file}"
 
 
 
@@ -64,6 +91,11 @@ class ChunkInfo:
     @property
     def nbytes(self) -> int:
         return self.end - self.begin
+
+    @property
+    def is_ref(self) -> bool:
+        """In a shard of an earlier step (an incremental checkpoint's unchanged chunk)."""
+        return "/" in self.file
 
 
 @dataclass
@@ -101,6 +133,11 @@ class RankEntry:
     def loaded(self) -> bool:
         return self.record is None
 
+    @property
+    def refs(self) -> set[str]:
+        """The files of earlier steps this (loaded) entry's chunks refer to."""
+        return {c.file for t in self.tensors.values() for c in t.chunks if c.is_ref}
+
 
 @dataclass
 class Manifest:
@@ -116,12 +153,18 @@ class Manifest:
     def version(self) -> int:
         """1 unless the manifest uses a feature of version 2 (old readers refuse it cleanly)."""
         v2 = self.tree is not None or any(
-            not r.loaded or any(t.is_global for t in r.tensors.values()) for r in self.ranks)
+            not r.loaded or any(t.is_global for t in r.tensors.values()) or r.refs for r in self.ranks)
         return 2 if v2 else 1
 
     @property
     def total_bytes(self) -> int:
         return sum(r.bytes for r in self.ranks)
+
+    @property
+    def incremental(self) -> bool:
+        """Some chunks lie in earlier steps' shards (as far as the loaded entries and the
+        committer's mark tell): the shards alone do not hold the state."""
+        return self.extra.get(INCREMENTAL_FIELD) is True or any(r.refs for r in self.ranks)
 
     @property
     def files(self) -> list[str]:
@@ -218,12 +261,16 @@ def _dims_ok(v: Any, max_len: int) -> bool:
     return type(v) is list and len(v) <= max_len and all(type(x) is int and 0 <= x <= MAX_FILE_BYTES for x in v)
 
 
-def _chunk(doc: Any, cw: str, rank: int, file: str, size: int, shape: tuple[int, ...], dt: str, isz: int) -> ChunkInfo:
+def _chunk(doc: Any, cw: str, rank: int, file: str, size: int, shape: tuple[int, ...], dt: str, isz: int,
+           refs: bool = False) -> ChunkInfo:
     c = check_dict(doc, cw)
     cfile = c.get("file")
     if cfile != file:
-        check_name(cfile, cw)
-        raise FormatError(f"{cw}: names file {cfile!r} but rank {rank} writes {file!r}")
+        if refs and type(cfile) is str and ref_step(cfile) is not None:
+            file, size = cfile, MAX_FILE_BYTES  # a reference: the earlier step's shard (checked by check_refs)
+        else:
+            check_name(cfile, cw)
+            raise FormatError(f"{cw}: names file {cfile!r} but rank {rank} writes {file!r}")
     rng, offs, cshape = c.get("range"), c.get("offsets"), c.get("shape")
     if not (_dims_ok(rng, 2) and _dims_ok(offs, MAX_DIMS) and _dims_ok(cshape, MAX_DIMS)):
         f = Fields(c, cw)  # the slow path only builds the message naming the bad field
@@ -260,7 +307,8 @@ def _tensor(name: str, doc: Any, tw: str, rank: int, file: str, size: int, versi
         Fields(info, tw).list("chunks", MAX_CHUNKS)
         raise FormatError(f"{tw}: needs a non-empty list of chunks")
     is_global = version >= 2 and info.get("global", False) is True
-    chunks = [_chunk(c, f"{tw} chunk {i}", rank, file, size, shape, dt, isz) for i, c in enumerate(chunks_doc)]
+    chunks = [_chunk(c, f"{tw} chunk {i}", rank, file, size, shape, dt, isz, version >= 2)
+              for i, c in enumerate(chunks_doc)]
     return TensorInfo(name, dt, shape, chunks, is_global)
 
 
@@ -286,7 +334,7 @@ def parse_rank(doc: Any, where: str, version: int = SCHEMA_VERSION) -> RankEntry
     for name, info in d.obj("tensors").doc.items():
         t = _tensor(name, info, f"{w} tensor {name!r}", rank, file, size, version)
         tensors[name] = t
-        spans.extend((c.begin, c.end, name, i) for i, c in enumerate(t.chunks) if c.end > c.begin)
+        spans.extend((c.begin, c.end, name, i) for i, c in enumerate(t.chunks) if c.end > c.begin and not c.is_ref)
     spans.sort()
     for a, b in zip(spans, spans[1:]):
         if b[0] < a[1]:
@@ -342,7 +390,21 @@ def parse_manifest(raw: bytes, where: str, expect_step: int | None = None) -> Ma
         raise FormatError(f"{where}: the job-wide state tree refers to a rank's own tensor; it may name global tensors only")
     man = Manifest(step, world, ranks, t, float(ts), {} if extra is None else extra.doc, tree)
     check_globals(man, where)
+    for r in ranks:
+        check_refs(r, step, where)
     return man
+
+
+def check_refs(entry: RankEntry, step: int, where: str) -> None:
+    """Every chunk reference of ``entry`` (in a checkpoint of ``step``) names an earlier step: a
+    reference to the step itself or a later one could form a cycle and is refused."""
+    for t in entry.tensors.values():
+        for i, c in enumerate(t.chunks):
+            ref = ref_step(c.file) if c.is_ref else None
+            if ref is not None and ref >= step:
+                raise FormatError(
+                    f"{where}: step {step} rank {entry.rank} tensor {t.name!r} chunk {i} refers to {c.file}, which is not "
+                    "an earlier step: a reference cycle; the manifest is corrupt or hostile")
 
 
 def check_globals(man: Manifest, where: str) -> None:
@@ -368,7 +430,7 @@ def check_globals(man: Manifest, where: str) -> None:
 
 def encode_record(step: int, world_size: int, entry: RankEntry) -> bytes:
     """A rank's record: its manifest entry, written beside its shard once the shard is durable."""
-    version = 2 if any(t.is_global for t in entry.tensors.values()) else 1
+    version = 2 if any(t.is_global for t in entry.tensors.values()) or entry.refs else 1
     return _encode({"schema": SCHEMA + ".fragment", "version": version, "step": step,
                     "world_size": world_size, "entry": rank_to_json(entry)}, f"record of rank {entry.rank}",
                    compact=True)
@@ -390,4 +452,5 @@ def parse_record(raw: bytes, where: str, step: int, world_size: int) -> RankEntr
     entry = parse_rank(doc.doc.get("entry"), where, version)
     if not entry.loaded:
         raise FormatError(f"{where}: a record must hold its rank's entry, not refer to another record")
+    check_refs(entry, step, where)
     return entry

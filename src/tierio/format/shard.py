@@ -18,7 +18,7 @@ import torch
 
 from tierio.errors import FormatError
 from tierio.format.manifest import ChunkInfo, TensorInfo
-from tierio.format.safetensors import Header, build_header, dtype_name
+from tierio.format.safetensors import Header, build_header, dtype_name, itemsize
 from tierio.io.checksum import xxh3
 
 CHUNK_BYTES = 64 << 20
@@ -146,6 +146,16 @@ def plan_shard(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
     chunks = {}
     for name, e in header.tensors.items():
         chunks[name] = split_rows(e.shape, tensors[name].dtype.itemsize, header.data_offset + e.begin, chunk_bytes)
+    return ShardLayout(hdr, header, header.data_offset + header.data_bytes, chunks)
+
+
+def plan_subset(layout: ShardLayout, names: Collection[str], chunk_bytes: int = CHUNK_BYTES) -> ShardLayout:
+    """The layout of a shard holding only the tensors ``names`` of ``layout``, with the same header
+    metadata (an incremental save's shard: the tensors that changed). Chunks split as in ``layout``."""
+    specs = [(n, e.dtype, e.shape) for n, e in layout.header.tensors.items() if n in names]
+    hdr, header = build_header(specs, layout.header.metadata)
+    chunks = {name: split_rows(e.shape, itemsize(e.dtype), header.data_offset + e.begin, chunk_bytes)
+              for name, e in header.tensors.items()}
     return ShardLayout(hdr, header, header.data_offset + header.data_bytes, chunks)
 
 

@@ -46,6 +46,11 @@ def checkpoint_shards(keys: list[str], read: Callable[[str], bytes], where: Call
     key = prefix + MANIFEST
     w = where(key)
     manifest = parse_manifest(read(key), w, expect_step=parse_step_dir(prefix.rstrip("/")) if prefix else None)
+    if manifest.incremental:
+        # its shards hold only what changed since an earlier step: their headers do not describe the model
+        raise FormatError(f"{w} is an incremental checkpoint (its unchanged tensors lie in earlier steps' shards); "
+                          "restore it with CheckpointManager.restore, or write a whole model directory first with "
+                          "`tierio ckpt export`")
     shards = sorted(check_key(prefix + rank.file, w) for rank in manifest.ranks)
     present = set(keys)
     missing = [k for k in shards if k not in present]
