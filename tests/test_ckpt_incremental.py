@@ -309,3 +309,32 @@ def test_bench_incremental_figures_run(tmp_path):
     assert 0 < out["changed_share"] <= incremental.CHANGED
     assert out["full_bytes"] > 10 * out["incremental_bytes"] and out["bytes_ratio"] > 10
     assert out["persist_ratio"] > 0 and {"incremental_bytes_ratio", "incremental_persist_vs_full"} <= set(TARGETS)
+
+
+def uneven_worker(rank: int, root: str, init: str) -> None:
+    """Rank 0 changes every tensor at every step, rank 1 changes only ``lora``: only rank 1's
+    entries refer to earlier shards, and records by reference keep them out of the committer's sight."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        with CheckpointManager([os.path.join(root, "fast")], incremental=True, inline_records=0) as mgr:
+            for step in (10, 20):
+                state = state_for(step)
+                if rank == 0:
+                    state["frozen"] += step
+                mgr.save(step, state).wait()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_weights_load_sees_references_only_another_rank_made(tmp_path):
+    import torch.multiprocessing as tmp
+    from tierio.weights import load
+
+    tmp.start_processes(uneven_worker, args=(str(tmp_path), f"file://{tmp_path}/pg"), nprocs=2, start_method="spawn",
+                        join=True)
+    man = inspect(tmp_path / "fast", 20, records=True)
+    assert not man.ranks[0].refs and man.ranks[1].refs
+    with pytest.raises(FormatError, match="incremental checkpoint"):
+        load(tmp_path / "fast")

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tierio.errors import FormatError, NotFoundError
-from tierio.format.manifest import parse_manifest
+from tierio.format.manifest import Manifest, parse_manifest, parse_record
 from tierio.format.shard import MANIFEST, parse_step_dir
 from tierio.storage.base import check_key
 
@@ -46,7 +46,7 @@ def checkpoint_shards(keys: list[str], read: Callable[[str], bytes], where: Call
     key = prefix + MANIFEST
     w = where(key)
     manifest = parse_manifest(read(key), w, expect_step=parse_step_dir(prefix.rstrip("/")) if prefix else None)
-    if manifest.incremental:
+    if refers_to_earlier_steps(manifest, prefix, read, where):
         # its shards hold only what changed since an earlier step: their headers do not describe the model
         raise FormatError(f"{w} is an incremental checkpoint (its unchanged tensors lie in earlier steps' shards); "
                           "restore it with CheckpointManager.restore, or write a whole model directory first with "
@@ -57,6 +57,21 @@ def checkpoint_shards(keys: list[str], read: Callable[[str], bytes], where: Call
     if missing:
         raise NotFoundError(f"{w} names shard(s) {missing[:3]} that are not in the checkpoint; the copy is incomplete")
     return prefix, shards
+
+
+def refers_to_earlier_steps(manifest: Manifest, prefix: str, read: Callable[[str], bytes],
+                            where: Callable[[str], str]) -> bool:
+    """An incremental step: the manifest's mark, or a chunk reference in any rank's entry. The mark
+    is set from the entries the committer knew; entries kept in records by reference (large jobs)
+    are read here, so a rank that reused tensors is seen even when the committing rank did not."""
+    if manifest.incremental:
+        return True
+    for r in manifest.ranks:
+        if not r.loaded and r.record is not None:
+            key = check_key(prefix + r.record.name, where(prefix + MANIFEST))
+            if parse_record(read(key), where(key), manifest.step, manifest.world_size).refs:
+                return True
+    return False
 
 
 def model_names(names: list[str]) -> dict[str, str]:
