@@ -197,3 +197,30 @@ def test_dcp_save_load_and_the_manager_read_each_other(tmp_path):
         with pytest.raises(BaseException, match="'x': cannot store object at '<root>' without pickle"):
             dcp.save({"x": object()}, storage_writer=TierioWriter(mgr, step=1), no_dist=True)
         assert mgr.steps() == []
+
+
+def test_chunks_that_would_bounce_are_asked_for_ahead_and_restore_exactly(tmp_path, monkeypatch):
+    """A resharding restore asks a local store to prefetch the chunks it copies anyway (their
+    destinations are not 4 KiB-aligned with their file offsets), each at its exact byte range, and
+    the bytes still come back exact."""
+    save_rows(tmp_path)
+    asked: list[tuple[str, list[tuple[int, int]]]] = []
+    real = LocalStore.prefetch
+
+    def spy(self, key, ranges):
+        asked.append((key, [(r.start, r.end) for r in ranges]))
+        return real(self, key, ranges)
+
+    monkeypatch.setattr(LocalStore, "prefetch", spy)
+    target = TensorSlice(torch.empty(10, 3), (0, 3), (10, 6))  # columns: every row chunk is staged
+    with CheckpointManager([tmp_path], rank=1, world_size=2) as mgr:
+        out = mgr.restore(into={"w": target})
+    assert torch.equal(out["w"].local, WHOLE[:, 3:6])
+    doc = json.loads((tmp_path / "step_000000001" / "manifest.json").read_text())
+    want = {}
+    for entry in doc["ranks"]:
+        ranges = sorted(tuple(c["range"]) for c in entry["tensors"]["w"]["chunks"] if c["range"][0] % 4096)
+        if ranges:
+            want[entry["file"]] = ranges
+    got = {key.rsplit("/", 1)[1]: ranges for key, ranges in asked}
+    assert want and got == want

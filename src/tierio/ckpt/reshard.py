@@ -11,6 +11,12 @@ all of it). A chunk that lies entirely inside one target, at a contiguous stretc
 restore onto the saved layout, or Shard(0) onto fewer ranks), is read straight into the target and
 verified there; any other chunk is read into a reused buffer, verified, and its overlap copied out.
 Both go through ``storage.scatter``: this module decides, it moves no bytes itself.
+
+A chunk whose destination O_DIRECT cannot land in (its address and file offset differ modulo
+4 KiB: a DTensor shard behind a safetensors header, nearly always) costs one copy whichever way it
+is read, so on a store that can prefetch (a local directory) those chunks are asked for ahead, all
+at once: the device gets a deep queue instead of one readahead window per read. Measured on a 4 ->
+2 rank FSDP2 restore (2 GiB, page cache dropped): 1.7-2.0 s against 2.3-2.4 s without.
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ from tierio.format.manifest import ChunkInfo, RankEntry
 from tierio.format.safetensors import torch_dtype
 from tierio.format.shard import step_dir
 from tierio.format.slices import Box
+from tierio.io.buffers import ALIGN, address_of
 from tierio.io.checksum import verify as verify_checksum
+from tierio.io.engine import ByteRange
 from tierio.storage.base import Store
 from tierio.storage.scatter import Whole, read_scatter, read_whole
 
@@ -183,10 +191,23 @@ def plan_reads(wanted: list[tuple[Stored, Target]], where: str) -> dict[str, Fil
     return out
 
 
+def bounced(reads: FileReads) -> list[ByteRange]:
+    """The chunks of ``reads`` that O_DIRECT could not land in their destination (a direct chunk
+    whose address and file offset differ modulo 4 KiB, a staged chunk at an unaligned offset: its
+    buffer is aligned): they are copied once whichever way they are read."""
+    out = [ByteRange(p.chunk.begin, p.chunk.end) for p, view in reads.direct
+           if (address_of(view) - p.chunk.begin) % ALIGN]
+    out += [ByteRange(p.chunk.begin, p.chunk.end) for p, _, _ in reads.staged if p.chunk.begin % ALIGN]
+    return sorted(out, key=lambda r: r.start)
+
+
 def read_file(store: Store, step: int, reads: FileReads, where: str) -> int:
     """Read one file's chunks from ``store`` into their targets, verifying every chunk; returns bytes.
     An IntegrityError leaves the targets partly written: the caller reads the file again elsewhere."""
     key = f"{step_dir(step)}/{reads.file}"
+    ahead = getattr(store, "prefetch", None)  # only stores with a page cache of their own have it
+    if ahead is not None:
+        ahead(key, bounced(reads))
 
     def verify(i: int) -> None:  # as soon as the chunk is in, while other chunks are read
         p, view = reads.direct[i]
