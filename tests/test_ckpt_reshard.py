@@ -13,9 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierio.ckpt import CheckpointManager, TensorSlice, inspect, list_checkpoints, verify
+from tierio.ckpt import (
+    CheckpointManager,
+    TensorSlice,
+    inspect,
+    list_checkpoints,
+    reshard,
+    verify,
+)
 from tierio.cli.main import main
 from tierio.errors import ConfigError, FormatError, IntegrityError
+from tierio.io.engine import ByteRange
 from tierio.storage.local import LocalStore
 
 WHOLE = torch.arange(10 * 6, dtype=torch.float32).reshape(10, 6)
@@ -222,5 +230,21 @@ def test_chunks_that_would_bounce_are_asked_for_ahead_and_restore_exactly(tmp_pa
         ranges = sorted(tuple(c["range"]) for c in entry["tensors"]["w"]["chunks"] if c["range"][0] % 4096)
         if ranges:
             want[entry["file"]] = ranges
-    got = {key.rsplit("/", 1)[1]: ranges for key, ranges in asked}
+    got: dict[str, list[tuple[int, int]]] = {}
+    for key, ranges in asked:
+        got.setdefault(key.rsplit("/", 1)[1], []).extend(ranges)
     assert want and got == want
+
+
+def test_read_ahead_asks_for_more_only_as_reads_finish():
+    """A restore larger than memory must not ask for more than ``limit`` bytes ahead of its reads."""
+    asked: list[list[ByteRange]] = []
+    r = [ByteRange(0, 10), ByteRange(10, 20), ByteRange(20, 30)]
+    ahead = reshard.ReadAhead(asked.append, r, limit=15)
+    ahead.done(None)
+    assert asked == [[r[0], r[1]]]  # 20 bytes out: over the limit, stop
+    ahead.done(0)
+    assert asked[-1] == [r[2]]
+    ahead.done(10)
+    ahead.done(20)
+    assert len(asked) == 2

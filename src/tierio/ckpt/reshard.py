@@ -21,7 +21,8 @@ at once: the device gets a deep queue instead of one readahead window per read. 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +37,6 @@ from tierio.io.checksum import verify as verify_checksum
 from tierio.io.engine import ByteRange
 from tierio.storage.base import Store
 from tierio.storage.scatter import Whole, read_scatter, read_whole
-
 
 
 @dataclass(frozen=True)
@@ -194,29 +194,69 @@ def plan_reads(wanted: list[tuple[Stored, Target]], where: str) -> dict[str, Fil
 def bounced(reads: FileReads) -> list[ByteRange]:
     """The chunks of ``reads`` that O_DIRECT could not land in their destination (a direct chunk
     whose address and file offset differ modulo 4 KiB, a staged chunk at an unaligned offset: its
-    buffer is aligned): they are copied once whichever way they are read."""
-    out = [ByteRange(p.chunk.begin, p.chunk.end) for p, view in reads.direct
-           if (address_of(view) - p.chunk.begin) % ALIGN]
-    out += [ByteRange(p.chunk.begin, p.chunk.end) for p, _, _ in reads.staged if p.chunk.begin % ALIGN]
-    return sorted(out, key=lambda r: r.start)
+    buffer is aligned): they are copied once whichever way they are read. In reading order: the direct chunks by
+    offset, then the staged ones."""
+    direct = [ByteRange(p.chunk.begin, p.chunk.end) for p, view in reads.direct
+              if (address_of(view) - p.chunk.begin) % ALIGN]
+    staged = [ByteRange(p.chunk.begin, p.chunk.end) for p, _, _ in reads.staged if p.chunk.begin % ALIGN]
+    return sorted(direct, key=lambda r: r.start) + sorted(staged, key=lambda r: r.start)
+
+
+AHEAD = 1 << 30  # bytes of one file asked for ahead of the chunks read (page cache, not a buffer)
+
+
+@dataclass
+class ReadAhead:
+    """Asks for ``ranges`` (in reading order) ahead of the reads, at most ``limit`` bytes beyond the
+    ranges read: a restore larger than memory must not evict the bytes it asked for before it
+    reads them."""
+
+    ask: Callable[[list[ByteRange]], None]
+    ranges: list[ByteRange]
+    limit: int = AHEAD
+    _sizes: dict[int, int] = field(default_factory=dict)
+    _next: int = 0
+    _ahead: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self._sizes = {r.start: r.end - r.start for r in self.ranges}
+
+    def done(self, start: int | None) -> None:
+        """The range at ``start`` has been read (None: nothing yet); ask for more while under the limit."""
+        batch: list[ByteRange] = []
+        with self._lock:
+            self._ahead -= self._sizes.pop(start, 0) if start is not None else 0
+            while self._next < len(self.ranges) and self._ahead < self.limit:
+                r = self.ranges[self._next]
+                batch.append(r)
+                self._ahead += r.end - r.start
+                self._next += 1
+        if batch:
+            self.ask(batch)
 
 
 def read_file(store: Store, step: int, reads: FileReads, where: str) -> int:
     """Read one file's chunks from ``store`` into their targets, verifying every chunk; returns bytes.
     An IntegrityError leaves the targets partly written: the caller reads the file again elsewhere."""
     key = f"{step_dir(step)}/{reads.file}"
-    ahead = getattr(store, "prefetch", None)  # only stores with a page cache of their own have it
+    ask = getattr(store, "prefetch", None)  # only stores with a page cache of their own have it
+    ahead = ReadAhead(lambda ranges: ask(key, ranges), bounced(reads), AHEAD) if ask is not None else None
     if ahead is not None:
-        ahead(key, bounced(reads))
+        ahead.done(None)
 
     def verify(i: int) -> None:  # as soon as the chunk is in, while other chunks are read
         p, view = reads.direct[i]
+        if ahead is not None:
+            ahead.done(p.chunk.begin)
         verify_checksum(view, p.chunk.xxh3, f"{where}, chunk at offsets {list(p.chunk.offsets)} (bytes {p.chunk.begin}..{p.chunk.end})")
 
     n = read_scatter(store, key, [(p.chunk.begin, view) for p, view in reads.direct], then=verify)
 
     def staged(piece: Piece, dtype: str, fills: list[tuple[Target, Box]]):
         def use(view: memoryview) -> None:
+            if ahead is not None:
+                ahead.done(piece.chunk.begin)
             verify_checksum(view, piece.chunk.xxh3,
                             f"{where}, chunk at offsets {list(piece.chunk.offsets)} (bytes {piece.chunk.begin}..{piece.chunk.end})")
             src = torch.frombuffer(view, dtype=torch.uint8)

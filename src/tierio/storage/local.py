@@ -17,9 +17,9 @@ from pathlib import Path
 from tierio.errors import FormatError, NotFoundError
 from tierio.io.buffers import ALIGN, address_of
 from tierio.io.durable import atomic_copy, atomic_write, is_temp, temp_name
+from tierio.io.engine import ByteRange
 from tierio.io.files import hold_write_lock, os_error, pwrite_all, read_into, writer_gone
 from tierio.io.limiter import TokenBucket
-from tierio.io.engine import ByteRange
 from tierio.io.pagecache import prefetch, range_resident
 from tierio.io.paths import open_beneath, open_dir_beneath
 from tierio.io.readpath import RESIDENT, SAMPLE_BYTES, ReadPath, read_path_of
