@@ -15,8 +15,9 @@ Both go through ``storage.scatter``: this module decides, it moves no bytes itse
 A chunk whose destination O_DIRECT cannot land in (its address and file offset differ modulo
 4 KiB: a DTensor shard behind a safetensors header, nearly always) costs one copy whichever way it
 is read, so on a store that can prefetch (a local directory) those chunks are asked for ahead, all
-at once: the device gets a deep queue instead of one readahead window per read. Measured on a 4 ->
-2 rank FSDP2 restore (2 GiB, page cache dropped): 1.7-2.0 s against 2.3-2.4 s without.
+at once (up to ``AHEAD`` bytes beyond the reads): the device gets a deep queue instead of one
+readahead window per read (a 4 -> 2 rank FSDP2 restore of 2 GiB, page cache dropped: 12-26% off
+the median in three of four alternated sets on a loaded machine; docs/benchmarks.md).
 """
 
 from __future__ import annotations
