@@ -13,9 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierio.ckpt import CheckpointManager, TensorSlice, inspect, list_checkpoints, verify
+from tierio.ckpt import (
+    CheckpointManager,
+    TensorSlice,
+    inspect,
+    list_checkpoints,
+    reshard,
+    verify,
+)
 from tierio.cli.main import main
 from tierio.errors import ConfigError, FormatError, IntegrityError
+from tierio.io.engine import ByteRange
 from tierio.storage.local import LocalStore
 
 WHOLE = torch.arange(10 * 6, dtype=torch.float32).reshape(10, 6)
@@ -197,3 +205,46 @@ def test_dcp_save_load_and_the_manager_read_each_other(tmp_path):
         with pytest.raises(BaseException, match="'x': cannot store object at '<root>' without pickle"):
             dcp.save({"x": object()}, storage_writer=TierioWriter(mgr, step=1), no_dist=True)
         assert mgr.steps() == []
+
+
+def test_chunks_that_would_bounce_are_asked_for_ahead_and_restore_exactly(tmp_path, monkeypatch):
+    """A resharding restore asks a local store to prefetch the chunks it copies anyway (their
+    destinations are not 4 KiB-aligned with their file offsets), each at its exact byte range, and
+    the bytes still come back exact."""
+    save_rows(tmp_path)
+    asked: list[tuple[str, list[tuple[int, int]]]] = []
+    real = LocalStore.prefetch
+
+    def spy(self, key, ranges):
+        asked.append((key, [(r.start, r.end) for r in ranges]))
+        return real(self, key, ranges)
+
+    monkeypatch.setattr(LocalStore, "prefetch", spy)
+    target = TensorSlice(torch.empty(10, 3), (0, 3), (10, 6))  # columns: every row chunk is staged
+    with CheckpointManager([tmp_path], rank=1, world_size=2) as mgr:
+        out = mgr.restore(into={"w": target})
+    assert torch.equal(out["w"].local, WHOLE[:, 3:6])
+    doc = json.loads((tmp_path / "step_000000001" / "manifest.json").read_text())
+    want = {}
+    for entry in doc["ranks"]:
+        ranges = sorted(tuple(c["range"]) for c in entry["tensors"]["w"]["chunks"] if c["range"][0] % 4096)
+        if ranges:
+            want[entry["file"]] = ranges
+    got: dict[str, list[tuple[int, int]]] = {}
+    for key, ranges in asked:
+        got.setdefault(key.rsplit("/", 1)[1], []).extend(ranges)
+    assert want and got == want
+
+
+def test_read_ahead_asks_for_more_only_as_reads_finish():
+    """A restore larger than memory must not ask for more than ``limit`` bytes ahead of its reads."""
+    asked: list[list[ByteRange]] = []
+    r = [ByteRange(0, 10), ByteRange(10, 20), ByteRange(20, 30)]
+    ahead = reshard.ReadAhead(asked.append, r, limit=15)
+    ahead.done(None)
+    assert asked == [[r[0], r[1]]]  # 20 bytes out: over the limit, stop
+    ahead.done(0)
+    assert asked[-1] == [r[2]]
+    ahead.done(10)
+    ahead.done(20)
+    assert len(asked) == 2

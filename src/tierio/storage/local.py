@@ -17,9 +17,10 @@ from pathlib import Path
 from tierio.errors import FormatError, NotFoundError
 from tierio.io.buffers import ALIGN, address_of
 from tierio.io.durable import atomic_copy, atomic_write, is_temp, temp_name
+from tierio.io.engine import ByteRange
 from tierio.io.files import hold_write_lock, os_error, pwrite_all, read_into, writer_gone
 from tierio.io.limiter import TokenBucket
-from tierio.io.pagecache import range_resident
+from tierio.io.pagecache import prefetch, range_resident
 from tierio.io.paths import open_beneath, open_dir_beneath
 from tierio.io.readpath import RESIDENT, SAMPLE_BYTES, ReadPath, read_path_of
 from tierio.io.space import disk_space
@@ -146,6 +147,21 @@ class LocalStore:
         else:
             way.record(direct, n, time.perf_counter() - t0)  # cold bytes: a fair sample
         return len(buf)
+
+    def prefetch(self, key: str, ranges: Sequence[ByteRange]) -> None:
+        """Start reading ``ranges`` of ``key`` into the page cache, all of them at once, without
+        waiting (POSIX_FADV_WILLNEED). For reads that copy their bytes once whichever way they go
+        (destinations O_DIRECT would bounce): the kernel then has the whole ranges queued, where
+        buffered reads ask for one readahead window at a time and bounced O_DIRECT reads for a few
+        windows, and ``read_into`` finds the bytes resident and copies them from the page cache."""
+        if not ranges:
+            return
+        fd, _ = self.open(key)
+        try:
+            for r in ranges:
+                prefetch(fd, r.start, r.end - r.start)
+        finally:
+            os.close(fd)
 
     def _read(self, key: str, offset: int, buf: memoryview, *, direct: bool) -> bool:
         """Read with O_DIRECT when asked and possible; whether it was."""
