@@ -58,13 +58,19 @@ class _Slots:
         self.slots_per_worker = slots_per_worker
         self.state = torch.zeros(num_workers * slots_per_worker, dtype=torch.int32).share_memory_()
         self._next: dict[int, int] = {}  # per worker process: its next slot (process-local)
+        self._state_np: np.ndarray | None = None  # a view of ``state``, made once per process
+
+    def _flags(self) -> np.ndarray:
+        if self._state_np is None:
+            self._state_np = self.state.numpy()
+        return self._state_np
 
     def acquire(self, worker_id: int) -> int | None:
         """Worker side: the worker's next slot if it is free (marked FILLED), else None."""
         k = self._next.get(worker_id, 0)
         self._next[worker_id] = (k + 1) % self.slots_per_worker
         slot = worker_id * self.slots_per_worker + k
-        st = self.state.numpy()
+        st = self._flags()
         if st[slot] != FREE:
             return None
         st[slot] = FILLED
@@ -72,7 +78,7 @@ class _Slots:
 
     def release(self, slot: int) -> None:
         """Mark ``slot`` free (done by the finalizer of its last view; by a worker that gives up on it)."""
-        self.state.numpy()[slot] = FREE
+        self._flags()[slot] = FREE
 
 
 class BatchRing(_Slots):
@@ -87,7 +93,7 @@ class BatchRing(_Slots):
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_data_np"] = None
+        state["_data_np"] = state["_state_np"] = None
         return state
 
     @property
@@ -148,7 +154,7 @@ class FieldRing(_Slots):
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_bytes"] = None
+        state["_bytes"] = state["_state_np"] = None
         return state
 
     def _block(self, slot: int) -> np.ndarray:
