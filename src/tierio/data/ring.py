@@ -140,17 +140,16 @@ class FieldRing(_Slots):
 
         super().__init__(num_workers, slots_per_worker)
         self.batch_size = batch_size
-        placed = []
-        at = 0
-        for name, dtype, shape in fields:
-            f = RingField(name, np.dtype(dtype), tuple(shape), at)
-            placed.append(f)
-            at += -(-f.nbytes(batch_size) // SLOT_ALIGN) * SLOT_ALIGN
-        self.fields = tuple(placed)
+        self.fields, size = _place(fields, batch_size)
         n = num_workers * slots_per_worker
         # share_memory_() copies into a new shared segment, so every page is faulted in here, once
-        self.data = torch.zeros((n, max(at, SLOT_ALIGN)), dtype=torch.uint8).share_memory_()
+        self.data = torch.zeros((n, size), dtype=torch.uint8).share_memory_()
         self._bytes: np.ndarray | None = None
+
+    @staticmethod
+    def slot_bytes(fields: Sequence[tuple[str, Any, tuple[int, ...]]], batch_size: int) -> int:
+        """Bytes of one slot holding a batch of ``fields``."""
+        return _place(fields, batch_size)[1]
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -182,6 +181,17 @@ class FieldRing(_Slots):
                 torch.empty((batch.rows, *f.shape), dtype=_torch_dtype(f.dtype))
         out.update(batch.rest)
         return out
+
+
+def _place(fields: Sequence[tuple[str, Any, tuple[int, ...]]], batch_size: int) -> tuple[tuple[RingField, ...], int]:
+    """Each field's place in a slot (aligned), and the slot's size."""
+    placed = []
+    at = 0
+    for name, dtype, shape in fields:
+        f = RingField(name, np.dtype(dtype), tuple(shape), at)
+        placed.append(f)
+        at += -(-f.nbytes(batch_size) // SLOT_ALIGN) * SLOT_ALIGN
+    return tuple(placed), max(at, SLOT_ALIGN)
 
 
 @lru_cache(maxsize=64)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
+import struct
 import traceback
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -91,22 +93,38 @@ class _Stop:
     pass
 
 
-@dataclass(frozen=True)
-class _Batch:
-    epoch: int
-    item: Any  # a RingBatch, or the batch itself when no slot was free
+# worker -> loop: a fixed header (epoch, kind, slot, rows), then a pickled payload for the rare kinds
+_HEADER = struct.Struct("<qBii")
+_SLOT, _WHOLE, _DONE, _FAILED = 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
-class _Done:
+class _Message:
+    """A worker's message as the loop reads it."""
+
     epoch: int
+    kind: int
+    item: Any = None  # the batch: a RingBatch, or the batch itself when no slot was free
+    error: BaseException | None = None
+    text: str = ""
 
 
-@dataclass(frozen=True)
-class _Failed:
-    epoch: int
-    error: BaseException | None
-    text: str
+def _encode_batch(epoch: int, item: Any) -> bytes:
+    if isinstance(item, RingBatch) and not item.rest:  # the usual case: two numbers, no pickle
+        return _HEADER.pack(epoch, _SLOT, item.slot, item.rows)
+    return _HEADER.pack(epoch, _WHOLE, 0, 0) + pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _decode(raw: bytes) -> _Message:
+    epoch, kind, slot, rows = _HEADER.unpack_from(raw)
+    if kind == _SLOT:
+        return _Message(epoch, kind, RingBatch(slot, rows))
+    if kind == _WHOLE:
+        return _Message(epoch, kind, pickle.loads(raw[_HEADER.size:]))
+    if kind == _FAILED:
+        error, text = pickle.loads(raw[_HEADER.size:])
+        return _Message(epoch, kind, error=error, text=text)
+    return _Message(epoch, kind)
 
 
 @dataclass
@@ -134,6 +152,11 @@ class BatchWorkers:
     @property
     def started(self) -> bool:
         return bool(self._channels)
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids (empty before the first ``iter()``)."""
+        return [ch.process.pid for ch in self._channels]
 
     def _start(self) -> None:
         o = self.options
@@ -164,14 +187,18 @@ class BatchWorkers:
             self._start()
         self._epoch += 1
         epoch = self._epoch
-        for ch in self._channels:
-            ch.commands.send(_Start(epoch))
+        for w, ch in enumerate(self._channels):
+            try:
+                ch.commands.send(_Start(epoch))
+            except OSError:
+                raise WorkerError(f"batch worker {w} (pid {ch.process.pid}) died (exit code {ch.process.exitcode}) "
+                                  "between epochs; build the loader again") from None
         live = list(range(len(self._channels)))
         at = 0
         try:
             while live:
                 msg = self._receive(live[at], epoch)
-                if isinstance(msg, _Done):
+                if msg.kind == _DONE:
                     live.pop(at)
                     at = at % len(live) if live else 0
                     continue
@@ -181,7 +208,7 @@ class BatchWorkers:
             if not self.options.persistent:
                 self.shutdown()
 
-    def _receive(self, w: int, epoch: int) -> _Batch | _Done:
+    def _receive(self, w: int, epoch: int) -> _Message:
         """Worker ``w``'s next message of ``epoch`` (older epochs' are dropped)."""
         ch = self._channels[w]
         timeout = self.options.timeout or None
@@ -195,22 +222,22 @@ class BatchWorkers:
                     raise WorkerError(f"batch worker {w} (pid {ch.process.pid}) died (exit code "
                                       f"{ch.process.exitcode}); it may have run out of memory or been killed")
             try:
-                msg = ch.results.recv()
+                msg = _decode(ch.results.recv_bytes())
             except EOFError:
                 raise WorkerError(f"batch worker {w} (pid {ch.process.pid}) closed its pipe (exit code "
                                   f"{ch.process.exitcode})") from None
             ch.credits.release()
             if msg.epoch != epoch:
                 self._drop(msg)
-            elif isinstance(msg, _Failed):
+            elif msg.kind == _FAILED:
                 if msg.error is not None:
                     raise msg.error
                 raise WorkerError(f"batch worker {w} failed:\n{msg.text}")
             else:
                 return msg
 
-    def _drop(self, msg: Any) -> None:
-        if isinstance(msg, _Batch) and isinstance(msg.item, RingBatch) and self.ring is not None:
+    def _drop(self, msg: _Message) -> None:
+        if isinstance(msg.item, RingBatch) and self.ring is not None:
             self.ring.release(msg.item.slot)
 
 
@@ -267,13 +294,13 @@ def _run_epoch(source: Iterable[Any], epoch: int, me: WorkerIdentity, commands: 
             try:
                 item = next(it)
             except StopIteration:
-                results.send(_Done(epoch))
+                results.send_bytes(_HEADER.pack(epoch, _DONE, 0, 0))
                 break
-            results.send(_Batch(epoch, item))
+            results.send_bytes(_encode_batch(epoch, item))
     except (EOFError, BrokenPipeError):
         raise
     except Exception as exc:  # noqa: BLE001 - every error goes to the loop
-        results.send(_failure(epoch, exc))
+        results.send_bytes(_failure(epoch, exc))
     finally:
         close = getattr(it, "close", None)
         if close is not None:
@@ -281,15 +308,14 @@ def _run_epoch(source: Iterable[Any], epoch: int, me: WorkerIdentity, commands: 
     return commands.recv()
 
 
-def _failure(epoch: int, exc: BaseException) -> _Failed:
-    import pickle
-
+def _failure(epoch: int, exc: BaseException) -> bytes:
     text = "".join(traceback.format_exception(exc))
     try:
-        pickle.loads(pickle.dumps(exc))
+        payload = pickle.dumps((exc, text))
+        pickle.loads(payload)
     except Exception:  # noqa: BLE001 - an exception that does not survive pickling goes as text
-        return _Failed(epoch, None, text)
-    return _Failed(epoch, exc, text)
+        payload = pickle.dumps((None, text))
+    return _HEADER.pack(epoch, _FAILED, 0, 0) + payload
 
 
 __all__ = ["BatchWorkers", "WorkerError", "WorkerIdentity", "WorkerOptions", "current_worker"]
