@@ -29,6 +29,8 @@ streamed back through a local cache in batches of 64, one process, no DataLoader
                           tierio's ShardWriter writing them to the bucket
 
 Peers are found if installed and named when missing: ``pip install litdata mosaicml-streaming``.
+With --skip-peers tierio's part of that comparison still runs (shard_bytes_overhead,
+first_epoch_disk_read_ratio, workers2_vs_workers0), without the peers.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-s3", action="store_true", help="skip the SeaweedFS streaming figures (and the peers)")
     p.add_argument("--peer-samples", type=int, default=200_000,
                    help="samples of 1,024 uint16 tokens in the comparison with litdata and MosaicML Streaming (default 200,000)")
-    p.add_argument("--skip-peers", action="store_true", help="skip the comparison with litdata and MosaicML Streaming")
+    p.add_argument("--skip-peers", action="store_true",
+                   help="skip litdata and MosaicML Streaming (tierio's own figures on the same samples still run)")
 
 
 # -- packing ---------------------------------------------------------------------------------
@@ -263,10 +266,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stream = peers = None
         if not args.skip_s3:
             stream = bench_stream(work, parse_size(args.stream_size), args.seq_len, parse_size(args.shard_size), args.repeat)
-            if not args.skip_peers:
-                from tierio.bench.data_peers import bench_peers
+            from tierio.bench.data_peers import bench_peers
 
-                peers = bench_peers(work, args.peer_samples)
+            peers = bench_peers(work, args.peer_samples, with_peers=not args.skip_peers)
     finally:
         if own:
             shutil.rmtree(work, ignore_errors=True)

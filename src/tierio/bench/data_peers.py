@@ -267,11 +267,14 @@ def _run_apart(library: str, server: ServerRef, n: int, work: Path) -> list[Stre
 RESULT = "tierio-bench-result: "
 
 
-def bench_peers(work: Path, n: int) -> dict[str, Any]:
+def bench_peers(work: Path, n: int, with_peers: bool = True) -> dict[str, Any]:
+    """The comparison; ``with_peers=False`` runs tierio's part alone (its own ratios: bytes in the
+    bucket, disk reads, 2 workers vs none)."""
     from tierio.storage.seaweed import SeaweedServer
 
-    present = installed_peers()
-    missing = [name for name, key in (("litdata", "litdata"), ("mosaicml-streaming", "mosaic")) if key not in present]
+    present = installed_peers() if with_peers else []
+    missing = [name for name, key in (("litdata", "litdata"), ("mosaicml-streaming", "mosaic"))
+               if key not in present] if with_peers else []
     raw = n * TOKENS * 2
     runs: list[Streamed] = []
     with SeaweedServer(data_dir=work / "seaweed-peers", volume_size_mb=1024) as server:

@@ -428,13 +428,15 @@ class ColumnShard:
         """The samples ``ids``; fixed-size fields named in ``out`` are gathered into those arrays."""
         got: dict[str, Any] = {}
         run = _run(ids)
+        if out is not None and run is None and len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= len(self)):
+            raise IndexError(f"{self.where}: sample ids {int(ids.min())}..{int(ids.max())} outside [0, {len(self)})")
         for name, arr in self.fixed.items():
             into = out.get(name) if out is not None else None
             if into is not None:
                 if run is not None:
                     np.copyto(into, arr[run[0] : run[1]])
-                else:
-                    np.take(arr, ids, axis=0, out=into)
+                else:  # ids checked above; mode="raise" would gather into a temporary and copy it again
+                    np.take(arr, ids, axis=0, out=into, mode="clip")
                 got[name] = into
             elif run is not None:
                 v = arr[run[0] : run[1]]

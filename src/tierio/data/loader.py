@@ -145,49 +145,91 @@ def build_loader(dataset: Any, batch_size: int, *, collate_fn: Callable | None =
     return loader
 
 
+# Batches in flight per worker are at least this many bytes (up to SMALL_BATCH_PREFETCH_MAX batches).
+# A batch of 64 x 2 KiB samples takes ~0.1 ms to gather: four in flight are gone within one
+# scheduler time slice, so when the cores are shared a worker that is not scheduled for a slice
+# stalls the loop. Slots are allocated once and reused, so depth costs only this shared memory.
+SMALL_BATCH_PREFETCH_BYTES = 4 << 20
+SMALL_BATCH_PREFETCH_MAX = 64
+
+
+def small_batch_prefetch(batch_bytes: int) -> int:
+    """Batches in flight per worker so that they hold SMALL_BATCH_PREFETCH_BYTES (capped)."""
+    return max(1, min(SMALL_BATCH_PREFETCH_MAX, SMALL_BATCH_PREFETCH_BYTES // max(1, batch_bytes)))
+
+
+# loader options BatchWorkers honours; with any other the DataLoader runs the workers
+_BATCH_WORKER_OPTIONS = {"num_workers", "prefetch_factor", "persistent_workers", "pin_memory", "timeout",
+                         "worker_init_fn", "multiprocessing_context"}
+
+
 class StreamLoader:
     """Whole batches of a StreamingDataset as tensors (what ``build_loader`` gives for one).
 
     Without workers the batches come straight from the dataset in this process: a DataLoader in
-    between would only add its per-batch bookkeeping. With workers it is a DataLoader over the
-    batches (``batch_size=None``) whose workers write the fixed-size fields into a FieldRing."""
+    between would only add its per-batch bookkeeping. With workers, ``BatchWorkers`` processes
+    write the fixed-size fields into a FieldRing and the loop receives slot numbers over a pipe
+    (the DataLoader's own hand-off costs more per batch than taking the batch); a loader option
+    only the DataLoader has (e.g. ``pin_memory_device``) makes it a DataLoader over the batches
+    (``batch_size=None``) whose workers fill the same ring."""
 
     def __init__(self, stream: Any, loader_kwargs: dict[str, Any]) -> None:
         from torch.utils.data import DataLoader
 
         from tierio.data.ring import FieldRing
+        from tierio.data.workers import BatchWorkers, WorkerOptions
 
         self.stream = stream
         self.pin = bool(loader_kwargs.get("pin_memory"))
         workers = int(loader_kwargs.get("num_workers", 0))
         self.ring: FieldRing | None = None
-        self.loader = None
+        self.loader: Any = None
+        self.workers: BatchWorkers | None = None
         if workers > 0:
             fields = stream.ring_fields()
+            prefetch = int(loader_kwargs.get("prefetch_factor") or 2)
+            fast = set(loader_kwargs) <= _BATCH_WORKER_OPTIONS
             if fields:
-                slots = int(loader_kwargs.get("prefetch_factor") or 2) + 2  # in flight + the one in use + a spare
-                self.ring = FieldRing(workers, slots, fields, stream.batch_size)
+                if fast:
+                    prefetch = max(prefetch, small_batch_prefetch(FieldRing.slot_bytes(fields, stream.batch_size)))
+                # in flight + the one in use + a spare
+                self.ring = FieldRing(workers, prefetch + 2, fields, stream.batch_size)
             stream.use_ring(self.ring)
-            self.loader = DataLoader(stream, batch_size=None, **loader_kwargs)
+            if fast:
+                self.workers = BatchWorkers(stream, self.ring, WorkerOptions(
+                    workers, prefetch, bool(loader_kwargs.get("persistent_workers", True)),
+                    float(loader_kwargs.get("timeout", 0) or 0), loader_kwargs.get("worker_init_fn"),
+                    loader_kwargs.get("multiprocessing_context")))
+            else:
+                self.loader = DataLoader(stream, batch_size=None, **loader_kwargs)
 
     @property
     def persistent_workers(self) -> bool:
+        if self.workers is not None:
+            return self.workers.options.persistent
         return bool(getattr(self.loader, "persistent_workers", False))
 
-    @property
-    def _iterator(self) -> Any:
-        return getattr(self.loader, "_iterator", None)
+    def shutdown(self) -> None:
+        """Stop the worker processes (the next ``iter()`` starts new ones)."""
+        if self.workers is not None:
+            self.workers.shutdown()
+        it = getattr(self.loader, "_iterator", None)
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
 
     def __iter__(self):
         from tierio.data.ring import RingBatch
 
-        if self.loader is None:
+        source = self.workers if self.workers is not None else self.loader
+        if source is None:
             for batch in self.stream:
                 yield _as_tensors(batch, self.pin)
             return
-        for batch in self.loader:
+        for batch in source:
             if isinstance(batch, RingBatch):  # pinned copies free the slot at once
                 batch = _as_tensors(self.ring.materialize(batch), self.pin)  # type: ignore[union-attr]
+            elif self.workers is not None:  # no free slot: the batch came whole (a DataLoader converts it)
+                batch = _as_tensors(batch, self.pin)
             yield batch
 
     def __len__(self) -> int:
@@ -308,6 +350,9 @@ class StatefulLoader:
 
     def _drop_loader(self) -> None:
         loader, self._loader = self._loader, None
+        if isinstance(loader, StreamLoader):
+            loader.shutdown()
+            return
         it = getattr(loader, "_iterator", None)
         if it is not None and hasattr(it, "_shutdown_workers"):
             it._shutdown_workers()

@@ -58,13 +58,19 @@ class _Slots:
         self.slots_per_worker = slots_per_worker
         self.state = torch.zeros(num_workers * slots_per_worker, dtype=torch.int32).share_memory_()
         self._next: dict[int, int] = {}  # per worker process: its next slot (process-local)
+        self._state_np: np.ndarray | None = None  # a view of ``state``, made once per process
+
+    def _flags(self) -> np.ndarray:
+        if self._state_np is None:
+            self._state_np = self.state.numpy()
+        return self._state_np
 
     def acquire(self, worker_id: int) -> int | None:
         """Worker side: the worker's next slot if it is free (marked FILLED), else None."""
         k = self._next.get(worker_id, 0)
         self._next[worker_id] = (k + 1) % self.slots_per_worker
         slot = worker_id * self.slots_per_worker + k
-        st = self.state.numpy()
+        st = self._flags()
         if st[slot] != FREE:
             return None
         st[slot] = FILLED
@@ -72,7 +78,7 @@ class _Slots:
 
     def release(self, slot: int) -> None:
         """Mark ``slot`` free (done by the finalizer of its last view; by a worker that gives up on it)."""
-        self.state.numpy()[slot] = FREE
+        self._flags()[slot] = FREE
 
 
 class BatchRing(_Slots):
@@ -87,7 +93,7 @@ class BatchRing(_Slots):
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_data_np"] = None
+        state["_data_np"] = state["_state_np"] = None
         return state
 
     @property
@@ -134,21 +140,20 @@ class FieldRing(_Slots):
 
         super().__init__(num_workers, slots_per_worker)
         self.batch_size = batch_size
-        placed = []
-        at = 0
-        for name, dtype, shape in fields:
-            f = RingField(name, np.dtype(dtype), tuple(shape), at)
-            placed.append(f)
-            at += -(-f.nbytes(batch_size) // SLOT_ALIGN) * SLOT_ALIGN
-        self.fields = tuple(placed)
+        self.fields, size = _place(fields, batch_size)
         n = num_workers * slots_per_worker
         # share_memory_() copies into a new shared segment, so every page is faulted in here, once
-        self.data = torch.zeros((n, max(at, SLOT_ALIGN)), dtype=torch.uint8).share_memory_()
+        self.data = torch.zeros((n, size), dtype=torch.uint8).share_memory_()
         self._bytes: np.ndarray | None = None
+
+    @staticmethod
+    def slot_bytes(fields: Sequence[tuple[str, Any, tuple[int, ...]]], batch_size: int) -> int:
+        """Bytes of one slot holding a batch of ``fields``."""
+        return _place(fields, batch_size)[1]
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_bytes"] = None
+        state["_bytes"] = state["_state_np"] = None
         return state
 
     def _block(self, slot: int) -> np.ndarray:
@@ -176,6 +181,17 @@ class FieldRing(_Slots):
                 torch.empty((batch.rows, *f.shape), dtype=_torch_dtype(f.dtype))
         out.update(batch.rest)
         return out
+
+
+def _place(fields: Sequence[tuple[str, Any, tuple[int, ...]]], batch_size: int) -> tuple[tuple[RingField, ...], int]:
+    """Each field's place in a slot (aligned), and the slot's size."""
+    placed = []
+    at = 0
+    for name, dtype, shape in fields:
+        f = RingField(name, np.dtype(dtype), tuple(shape), at)
+        placed.append(f)
+        at += -(-f.nbytes(batch_size) // SLOT_ALIGN) * SLOT_ALIGN
+    return tuple(placed), max(at, SLOT_ALIGN)
 
 
 @lru_cache(maxsize=64)

@@ -37,6 +37,7 @@ from tierio.data.cache import ShardCache
 from tierio.data.reader import ReaderBudget, ReaderOptions, ShardReader
 from tierio.data.ring import FieldRing, RingBatch
 from tierio.data.shards import Manifest, load_manifest
+from tierio.data.workers import current_worker
 from tierio.dist import rank_world
 from tierio.errors import ConfigError, FormatError
 from tierio.storage.base import Store
@@ -54,12 +55,7 @@ except ImportError:  # pragma: no cover
 
 
 def _worker() -> tuple[int, int]:
-    try:
-        from torch.utils.data import get_worker_info
-    except ImportError:  # pragma: no cover
-        return 0, 1
-    info = get_worker_info()
-    return (info.id, info.num_workers) if info is not None else (0, 1)
+    return current_worker() or (0, 1)
 
 
 class EpochOrder:
@@ -413,12 +409,8 @@ class BatchStream(_Base):  # type: ignore[misc,valid-type]
 
 
 def _worker_id() -> int | None:
-    try:
-        from torch.utils.data import get_worker_info
-    except ImportError:  # pragma: no cover
-        return None
-    info = get_worker_info()
-    return None if info is None else info.id
+    me = current_worker()
+    return None if me is None else me[0]
 
 
 def packed_transform(seq_len: int, pad_id: int = 0) -> Callable[[dict[str, np.ndarray]], dict[str, Any]]:

@@ -123,6 +123,25 @@ class Upload:
     age: float  # seconds since it was started (server clock against ours)
 
 
+_loader: Any = None  # botocore's data loader: the parsed service models, shared by every session
+
+
+def _session() -> boto3.session.Session:
+    """A new boto3 session (credentials resolved afresh) that shares this process's parsed service
+    models: a client is then ~3x cheaper to create (~50 ms instead of ~150 ms), which every forked
+    data worker and every new store pays once. The models are read-only data; a forked child
+    inherits them."""
+    global _loader
+    import botocore.session
+
+    core = botocore.session.get_session()
+    if _loader is None:
+        _loader = core.get_component("data_loader")
+    else:
+        core.register_component("data_loader", _loader)
+    return boto3.session.Session(botocore_session=core)
+
+
 class S3Store:
     """A bucket and a key prefix on an S3 endpoint; see the module docstring for deadlines.
 
@@ -150,7 +169,7 @@ class S3Store:
         self.concurrency = self.options.concurrency
         self.limiter = limiter
         o = self.options
-        self.client = boto3.session.Session().client(
+        self.client = _session().client(
             "s3",
             endpoint_url=self.endpoint,
             region_name=region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
