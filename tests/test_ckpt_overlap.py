@@ -1,14 +1,17 @@
 """Zero-stall snapshots (overlap=True): saves restore bit-exact with the optimizer's pre-hook
-waiting for the copy, a tensor changed in place before the update is caught (an error, or a
-warning once the copy was already taken: never a silently mixed checkpoint), and kill -9 while a
-copy is in flight leaves the previous step restorable."""
+waiting for the copy; a tensor changed in place before the update is always an error (the step
+is never committed: torch bumps the version counter only after its kernel wrote, so the copy
+thread cannot prove the change came after it); an overlapped step commits only after its
+verdict, and kill -9 while a copy is in flight leaves the previous step restorable."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 import signal
-import warnings
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -16,8 +19,8 @@ import torch
 from tierio.ckpt import CheckpointManager
 from tierio.ckpt.overlap import SYNC_BYTES, Overlap, Snapshot, copy_behind
 from tierio.ckpt.saving import Stager
-from tierio.errors import ConfigError, SnapshotChangedError
-from tierio.format.shard import plan_shard
+from tierio.errors import ConfigError, SnapshotChangedError, StorageError
+from tierio.format.shard import manifest_key, plan_shard, shard_key
 from tierio.io.buffers import BufferPool
 
 
@@ -73,49 +76,72 @@ def test_a_change_before_the_copy_is_an_error():
         pool.close()
 
 
-def test_a_change_after_the_copy_is_a_warning_and_the_checkpoint_is_whole(tmp_path):
+def test_a_change_after_the_copy_and_before_the_update_is_an_error(tmp_path):
+    """Even a copy seen done before the change does not save the step: from the copy thread a
+    change that raced it looks the same (the counter moves after the kernel wrote)."""
     w = big(2)
     with CheckpointManager([tmp_path / "t0"], overlap=True) as mgr:
         h = mgr.save(1, {"w": w, "step": 1})
         h.staged.result()  # the copy is taken
-        before = w.clone()
-        w.add_(1.0)  # the promise broken, but after the copy
-        with pytest.warns(UserWarning, match="step 1: tensor 'w' changed in place before the update"):
+        w.add_(1.0)  # the promise broken
+        with pytest.raises(SnapshotChangedError, match="step 1: tensor 'w' changed in place after save") as err:
             mgr.before_update()
-        mgr.wait()
-        assert torch.equal(mgr.restore(1)["w"], before)
+        assert err.value.names == ["w"] and "not committed" in str(err.value)
+        assert isinstance(h.persisted.exception(), SnapshotChangedError)
+        mgr.wait()  # reported once, by before_update(): not raised again
+        assert mgr.steps() == []
+        assert not (tmp_path / "t0" / shard_key(1, 0)).exists()  # the written shard was removed
 
 
 def test_a_change_right_after_save_never_mixes_states(tmp_path):
-    """Through the manager: the change lands while the 16 MiB copy runs (an error: the step is not
-    written, the previous one stays latest) or, on a machine fast enough to finish the copy first,
-    after it (a warning: the step holds the values save() was given)."""
+    """Through the manager: the change lands while the 16 MiB copy runs or after it; either way the
+    step is not committed and the previous one stays latest (before the verdict, a copy that ended
+    mid-kernel could pass the copy thread's own check and commit a mixed state)."""
     with CheckpointManager([tmp_path / "t0"], overlap=True) as mgr:
         w = big(3)
         mgr.save(1, {"w": w, "step": 1}).wait()
         mgr.before_update()
         first = w.clone()
         w.add_(1.0)  # the next update, done properly
-        second = w.clone()
         mgr.save(2, {"w": w, "step": 2})
         w.add_(1.0)  # the promise broken: no before_update() first
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                mgr.before_update()
-                failed = False
-            except SnapshotChangedError as exc:
-                failed = True
-                assert exc.names == ["w"] and "not written" in str(exc)
+        with pytest.raises(SnapshotChangedError) as err:
+            mgr.before_update()
+        assert err.value.names == ["w"] and "step 2" in str(err.value)
         mgr.wait()  # the error was reported once, by before_update(): not raised again
-        if failed:
-            assert mgr.steps() == [1]
-            assert torch.equal(mgr.restore()["w"], first)
-        else:
-            assert any("changed in place" in str(c.message) for c in caught)
-            assert torch.equal(mgr.restore(2)["w"], second)
+        assert mgr.steps() == [1]
+        assert torch.equal(mgr.restore()["w"], first)
         mgr.save(3, {"w": w, "step": 3}).wait()  # the manager goes on saving
         assert mgr.latest() == 3
+
+
+def test_an_overlapped_step_commits_after_its_verdict(tmp_path):
+    """The shard is written behind, but the manifest waits for the caller's thread: here the
+    handle's wait() gives the verdict."""
+    w = big(7)
+    with CheckpointManager([tmp_path / "t0"], overlap=True) as mgr:
+        h = mgr.save(1, {"w": w, "step": 1})
+        shard = tmp_path / "t0" / shard_key(1, 0)
+        deadline = time.monotonic() + 120
+        while not shard.exists():  # written under a temp name and renamed: whole once it shows
+            assert time.monotonic() < deadline, "the shard was never written"
+            time.sleep(0.01)
+        assert not (tmp_path / "t0" / manifest_key(1)).exists() and not h.persisted.done()
+        h.wait()  # the verdict (nothing changed), then the commit
+        assert mgr.steps() == [1] and torch.equal(mgr.restore(1)["w"], w)
+
+
+def test_a_process_that_ends_before_the_verdict_exits_and_commits_nothing(tmp_path):
+    code = ("import sys, torch\n"
+            "from tierio.ckpt import CheckpointManager\n"
+            "mgr = CheckpointManager([sys.argv[1]], overlap=True)\n"
+            "mgr.save(1, {'w': torch.ones(1 << 20), 'step': 1}).staged.result()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "t0")], env=env, timeout=300,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    with CheckpointManager([tmp_path / "t0"]) as mgr:
+        assert mgr.steps() == []
 
 
 def test_small_and_python_state_is_captured_in_save(tmp_path):
@@ -152,8 +178,8 @@ def test_overlap_direct_start_and_wait():
     try:
         snap = ov.start(1, layout, tensors, buf)
         assert set(snap.tensors) == {"large"}
-        waited = ov.before_update()
-        assert not waited.failed and set(waited.seconds) == {1}
+        waited = ov.judge()
+        assert not waited.failed and set(waited.seconds) == {1} and snap.verdict.result() is None
         staged = buf.tensor()[: layout.total_bytes]
         off = layout.header.data_offset
         for name, t in tensors.items():
@@ -219,12 +245,42 @@ def test_without_an_update_hook_the_next_save_reports_the_change_once(tmp_path):
         mgr.save(1, {"w": w, "step": 1}).wait()
         h = mgr.save(2, {"w": w, "step": 2})
         w.add_(1.0)  # the promise broken, and no before_update() follows
-        failed = h.persisted.exception() is not None
-        if failed:
-            assert isinstance(h.persisted.exception(), SnapshotChangedError)
-            with pytest.raises(SnapshotChangedError):
-                mgr.save(3, {"w": w, "step": 3})
+        h.staged.exception()  # the copy is over (its own check may have failed it): the next save judges it
+        with pytest.raises(SnapshotChangedError, match="step 2"):
+            mgr.save(3, {"w": w, "step": 3})
+        assert isinstance(h.persisted.exception(), SnapshotChangedError)
         mgr.save(3, {"w": w, "step": 3}).wait()
         mgr.before_update()  # nothing left to report
         mgr.wait()
-        assert mgr.steps() == ([1, 3] if failed else [1, 2, 3])
+        assert mgr.steps() == [1, 3]
+
+
+def failing_rank_worker(rank: int, root: str, init: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        with CheckpointManager([root], overlap=True, commit_timeout=5) as mgr:
+            w = big(10 + rank)
+            mgr.save(1, {"w": w, "step": 1}).wait()
+            mgr.before_update()
+            mgr.save(2, {"w": w, "step": 2})
+            if rank == 1:
+                w.add_(1.0)  # only rank 1 breaks the promise
+                with pytest.raises(SnapshotChangedError):
+                    mgr.before_update()
+                mgr.wait()
+            else:
+                mgr.before_update()
+                with pytest.raises(StorageError, match="rank 1 of 2 to write their shard of step 2"):
+                    mgr.wait()
+            assert mgr.steps() == [1]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_failed_verdict_on_one_rank_fails_the_step_everywhere(tmp_path):
+    import torch.multiprocessing as tmp
+
+    tmp.start_processes(failing_rank_worker, args=(str(tmp_path / "t0"), f"file://{tmp_path}/pg"), nprocs=2,
+                        start_method="spawn", join=True)

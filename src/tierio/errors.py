@@ -65,8 +65,9 @@ class UnstorableError(ConfigError):
 
 
 class SnapshotChangedError(TierioError):
-    """A tensor handed to an overlapped save changed in place before its copy was taken; ``names``
-    are the tensors that changed. That save is not written: the previous checkpoint stays."""
+    """A tensor handed to an overlapped save changed in place after ``save`` and before the next
+    update (its copy may mix two states); ``names`` are the tensors that changed. That save is not
+    committed: the previous checkpoint stays."""
 
     def __init__(self, message: str, names: list[str]) -> None:
         super().__init__(message)

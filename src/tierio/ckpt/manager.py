@@ -174,10 +174,11 @@ class CheckpointManager:
     def save(self, step: int, state: Any) -> SaveHandle:
         """Snapshot ``state`` into staging memory and return; persist and promotion run behind."""
         t0 = time.perf_counter()
-        handle = SaveHandle(step)
+        handle = SaveHandle(step, settle=self._settle if self._overlap is not None else None)
         if self._buddy is None:
             handle.buddied.set_result(None)
         try:
+            self._settle(wait_copies=False)  # earlier overlapped saves whose copy is done: their verdict
             rollback = self._begin(step)
             flat = flatten(state)
             tensors, places = to_write(flat)
@@ -300,20 +301,27 @@ class CheckpointManager:
     # -- zero-stall snapshots (ckpt.overlap) -----------------------------------------------------
     def before_update(self) -> None:
         """Wait for the copies of overlapped saves (``overlap=True``) before the saved tensors
-        change: call it before an update in loops without a torch optimizer (``attach`` calls it
-        from the optimizer's step pre-hook). Raises ``SnapshotChangedError`` when a saved tensor
-        changed before its copy (that step is not written); without overlap it does nothing."""
+        change, and give each its verdict: call it before an update in loops without a torch
+        optimizer (``attach`` calls it from the optimizer's step pre-hook). Raises
+        ``SnapshotChangedError`` when a saved tensor changed in place since its ``save`` (that step
+        is not committed); without overlap it does nothing."""
+        self._settle(update=True)
+
+    def _settle(self, update: bool = False, wait_copies: bool = True, report: bool = True) -> None:
+        """Judge the open snapshots of overlapped saves (``Overlap.judge``), in the caller's thread:
+        the one that changes the saved tensors. ``update``: the wait is the update's (stats);
+        ``report=False`` leaves a failure to the next save/wait, through the persist."""
         if self._overlap is None:
             return
-        waited = self._overlap.before_update()
+        waited = self._overlap.judge(wait_copies=wait_copies, report=report)
         with self._lock:
-            for step, seconds in waited.seconds.items():
-                self._saves_update(step, update_wait_seconds=seconds)
+            if update:
+                for step, seconds in waited.seconds.items():
+                    self._saves_update(step, update_wait_seconds=seconds)
             for snap, exc in waited.failed:  # reported here: the next save does not raise it again
-                snap.reported = True
-                if self._error is exc:
+                if report and self._error is exc:
                     self._error = None
-        if waited.failed:
+        if report and waited.failed:
             raise waited.failed[0][1]
 
     def attach(self, optimizer: torch.optim.Optimizer) -> Any:
@@ -432,6 +440,8 @@ class CheckpointManager:
         self._check_open()
         # Persists and global commits in flight land first (none may land after the rollback
         # point); promotions are not waited for, so a stalled slower tier never holds up a restore.
+        # Overlapped saves get their verdict first; a failed one is raised by the next save/wait.
+        self._settle(report=False)
         self._drain(promotions=False)
         started = time.perf_counter()
         shared = self.steps()
@@ -501,8 +511,12 @@ class CheckpointManager:
         return self._gc(sweep_all=True)
 
     def wait(self) -> None:
-        """Wait for every save in flight (persist and promotion); raises a background persist failure."""
-        self._drain()
+        """Wait for every save in flight (persist and promotion; an overlapped save's verdict first,
+        ``ckpt.overlap``); raises a background persist failure."""
+        try:
+            self._settle()
+        finally:
+            self._drain()
         self._raise_background_error()
 
     def close(self) -> None:
@@ -591,12 +605,38 @@ class CheckpointManager:
     # -- staging ---------------------------------------------------------------------------------
     # -- background: persist ---------------------------------------------------------------------
     def _persist(self, handle: SaveHandle, job: Staged) -> None:
+        """The persist thread's first part: this rank's shard of the step on tier 0. An overlapped
+        save commits only once the caller's thread gave its snapshot's verdict (``ckpt.overlap``):
+        the rest runs when it comes, on this thread again, so nothing here blocks on the caller."""
+        start = time.perf_counter()
+        try:
+            entry = self._write_shard_of(handle.step, job)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the handle
+            self._persist_failed(handle, job, None, exc, False)
+            return
+        written = time.perf_counter() - start
+        if job.snapshot is None:
+            self._finish(handle, job, entry, written)
+            return
+        job.snapshot.verdict.add_done_callback(lambda _v: self._after_verdict(handle, job, entry, written))
+
+    def _after_verdict(self, handle: SaveHandle, job: Staged, entry: RankEntry, written: float) -> None:
+        """Runs in the thread that gave the verdict (or the persist thread): queue the commit."""
+        try:
+            self._persist_pool.submit(self._finish, handle, job, entry, written)
+        except RuntimeError as exc:  # the manager is closed: the step stays uncommitted
+            self._persist_failed(handle, job, None, exc, False)
+
+    def _finish(self, handle: SaveHandle, job: Staged, entry: RankEntry, written: float) -> None:
+        """The persist thread's second part: the record and the commit of a written shard."""
         step = handle.step
         own: Own | None = None
         exchanged = False  # buddy=True: this step's exchange with the partner is under way
         try:
             start = time.perf_counter()
-            own, lineage = self._write(step, job, self.world_size > 1 or self._tiers[0].node_local)
+            if job.snapshot is not None:
+                job.snapshot.verdict.result()  # SnapshotChangedError: the step is not committed
+            own, lineage = self._record(step, job, entry, self.world_size > 1 or self._tiers[0].node_local)
             if self.options.incremental:
                 handle.committed.add_done_callback(lambda f, e=own.entry: self._committed(step, e, f))
             if self._tiers[0].node_local:
@@ -608,23 +648,14 @@ class CheckpointManager:
             else:
                 commit_on(self._cluster, self._tiers[0].store, step, own, lineage)
                 handle.committed.set_result(step)
+            took = written + time.perf_counter() - start  # the wait for the verdict is not persist time
             with self._lock:
-                self._saves_update(step, persist_seconds=time.perf_counter() - start)
-            events.emit(events.CheckpointPersisted(step, self._tiers[0].url, job.layout.total_bytes, time.perf_counter() - start,
+                self._saves_update(step, persist_seconds=took)
+            events.emit(events.CheckpointPersisted(step, self._tiers[0].url, job.layout.total_bytes, took,
                                                    len(self._tiers) > 1))
             handle.persisted.set_result(step)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller through the handle
-            self._cleanup_failed(step, own)
-            with self._lock:
-                self._inflight.discard(step)
-                self._bases.pop(step, None)
-                if self._error is None and not (job.snapshot is not None and job.snapshot.reported):
-                    self._error = exc
-            self._staging.wake()  # a save waiting for a buffer raises this error instead
-            if self._buddy is not None and not exchanged:
-                self._buddy.send(step, None, handle.buddied)  # the partner must not wait for it
-            handle.fail(exc)
-            log.error("checkpoint of step %d failed: %s", step, exc)
+            self._persist_failed(handle, job, own, exc, exchanged)
             return
         if len(self._tiers) > 1:
             self._promote_pool.submit(self._promote_steps, [step], handle, False)
@@ -634,9 +665,28 @@ class CheckpointManager:
             self._maybe_gc()
             handle.promoted.set_result(step)
 
+    def _persist_failed(self, handle: SaveHandle, job: Staged, own: Own | None, exc: BaseException,
+                        exchanged: bool) -> None:
+        step = handle.step
+        self._cleanup_failed(step, own)
+        with self._lock:
+            self._inflight.discard(step)
+            self._bases.pop(step, None)
+            if self._error is None and not (job.snapshot is not None and job.snapshot.reported):
+                self._error = exc
+        self._staging.wake()  # a save waiting for a buffer raises this error instead
+        if self._buddy is not None and not exchanged:
+            self._buddy.send(step, None, handle.buddied)  # the partner must not wait for it
+        handle.fail(exc)
+        log.error("checkpoint of step %d failed: %s", step, exc)
+
     def _write(self, step: int, job: Staged, record: bool) -> tuple[Own, Lineage]:
-        """This rank's part of ``step`` on tier 0: the shard (checksummed while it streams out), then
-        its record (when asked). The staging buffer is released whatever happens."""
+        """This rank's part of ``step`` on tier 0: the shard, then its record (when asked)."""
+        return self._record(step, job, self._write_shard_of(step, job), record)
+
+    def _write_shard_of(self, step: int, job: Staged) -> RankEntry:
+        """This rank's shard of ``step`` on tier 0 (checksummed while it streams out); the staging
+        buffer is released whatever happens."""
         t0 = self._tiers[0]
         try:
             if job.snapshot is not None:
@@ -649,9 +699,12 @@ class CheckpointManager:
         finally:
             if job.buf is not None:
                 self._staging.release(job.buf)
-        entry = RankEntry(self.rank, fname, size, job.tree, tensors)
+        return RankEntry(self.rank, fname, size, job.tree, tensors)
+
+    def _record(self, step: int, job: Staged, entry: RankEntry, record: bool) -> tuple[Own, Lineage]:
+        """After the shard: this rank's record of ``step`` on tier 0 (when asked) and its lineage."""
         lineage = Lineage(self._run(), job.rollback.after if job.rollback is not None else None)
-        ref = write_record(t0.store, step, self.world_size, entry, lineage.token) if record else None
+        ref = write_record(self._tiers[0].store, step, self.world_size, entry, lineage.token) if record else None
         return Own(entry, ref), lineage
 
     def _write_shard(self, step: int, job: Staged, fname: str) -> tuple[int, dict[str, TensorInfo]]:

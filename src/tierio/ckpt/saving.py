@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,7 +33,11 @@ class SaveHandle:
     ``persisted`` (this rank's shard durable on tier 0, and the step committed there when tier 0
     is shared), ``committed`` (the step's manifest on its first shared tier: globally committed),
     ``promoted`` (every slower tier committed); ``buddied`` (with ``buddy=True``: this rank's part
-    sent to its partner node and its source's copy kept; with nothing to send, done at once)."""
+    sent to its partner node and its source's copy kept; with nothing to send, done at once).
+
+    An overlapped save (``overlap=True``) commits only after its snapshot's verdict: its
+    ``persisted`` and what follows complete after the next update begins (``before_update``, the
+    attached optimizer's step), the next ``save`` or a wait (``wait()`` here gives the verdict)."""
 
     step: int
     staged: Future = field(default_factory=Future)
@@ -44,9 +48,14 @@ class SaveHandle:
     blocking_seconds: float = 0.0  # time save() held the caller, waiting included
     wait_seconds: float = 0.0  # part of it spent waiting for the previous persist
     bytes: int = 0
+    # An overlapped save's: gives the open snapshots their verdict (in the caller's thread) before a wait.
+    settle: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait for every stage; raises the first failure."""
+        """Wait for every stage; raises the first failure (of an overlapped save: a changed
+        snapshot of any save not judged yet)."""
+        if self.settle is not None:
+            self.settle()
         deadline = None if timeout is None else time.monotonic() + timeout
         for f in (self.staged, self.persisted, self.committed, self.promoted):
             f.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
