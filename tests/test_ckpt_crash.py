@@ -12,6 +12,7 @@ import time
 import torch
 
 from tierio.ckpt import CheckpointManager, KeepLast, Tier, list_checkpoints, verify
+from saving_loops import save_forever
 
 TRIALS = 20
 
@@ -31,15 +32,7 @@ def saver(root: str, first: int, ready, persisted) -> None:
     """Child: save steps forever, asynchronously, reporting each step once it is durable."""
     mgr = CheckpointManager(tiers(root), min_keep=2)
     ready.set()
-    step = first
-    prev = None
-    while True:
-        h = mgr.save(step, state_for(step))
-        if prev is not None:
-            prev.persisted.result()
-            persisted.value = prev.step
-        prev = h
-        step += 1
+    save_forever(mgr, first, state_for, persisted)
 
 
 def test_kill_dash_nine_while_saving(tmp_path):

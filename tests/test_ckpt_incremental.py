@@ -22,6 +22,7 @@ from tierio.ckpt import CheckpointManager, KeepLast, Tier, delete_step, gc, insp
 from tierio.errors import DanglingReferenceError, FormatError
 from tierio.format.shard import manifest_key, shard_key
 from tierio.storage import open_store
+from saving_loops import save_forever
 
 FROZEN = 256 * 1024  # fp32 elements of the frozen tensor (1 MiB)
 
@@ -191,14 +192,7 @@ def saver(root: str, first: int, ready, persisted) -> None:
     """Child: incremental saves forever, reporting each step once it is durable."""
     mgr = CheckpointManager([Tier(os.path.join(root, "fast"), KeepLast(2))], incremental=True, min_keep=1)
     ready.set()
-    step, prev = first, None
-    while True:
-        h = mgr.save(step, state_for(step))
-        if prev is not None:
-            prev.persisted.result()
-            persisted.value = prev.step
-        prev = h
-        step += 1
+    save_forever(mgr, first, state_for, persisted)
 
 
 def test_kill_dash_nine_mid_incremental_save(tmp_path):
