@@ -223,9 +223,10 @@ class BatchWorkers:
                                       f"{ch.process.exitcode}); it may have run out of memory or been killed")
             try:
                 msg = _decode(ch.results.recv_bytes())
-            except EOFError:
-                raise WorkerError(f"batch worker {w} (pid {ch.process.pid}) closed its pipe (exit code "
-                                  f"{ch.process.exitcode})") from None
+            except EOFError:  # the pipe closes when the worker dies: the same error as its sentinel's
+                ch.process.join(POLL_S)
+                raise WorkerError(f"batch worker {w} (pid {ch.process.pid}) died (exit code {ch.process.exitcode}) "
+                                  "and closed its pipe; it may have run out of memory or been killed") from None
             ch.credits.release()
             if msg.epoch != epoch:
                 self._drop(msg)
