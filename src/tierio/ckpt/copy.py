@@ -40,42 +40,47 @@ def copy_shard(src: Store, dst: Store, step: int, entry: RankEntry, pool: Buffer
                limiter: TokenBucket | None = None) -> CopyStats:
     """Read one shard from ``src``, verify every chunk, write it to ``dst`` atomically."""
     key = f"{step_dir(step)}/{entry.file}"
-    t0 = time.perf_counter()
     size = src.stat(key).size
     if size != entry.bytes:
         raise IntegrityError(f"{where(src, key)} is {size} bytes but the manifest records {entry.bytes}; not promoting a bad copy")
-    buf = pool.acquire(entry.bytes)
-    try:
-        _copy_verified(src, dst, key, entry, buf.view[: entry.bytes], limiter)
-    finally:
-        pool.release(buf)
-    return CopyStats(entry.bytes, time.perf_counter() - t0, 1)
+    return _copy_verified(src, dst, key, size, pool, limiter,
+                          lambda view: verify_chunks(view, entry, where(src, key), "not promoting a corrupt copy"))
 
 
 def verify_chunks(view: memoryview, entry: RankEntry, label: str, then: str) -> None:
     """Every chunk of ``entry`` in ``view`` (its shard's bytes) against its xxh3; IntegrityError
-    naming ``label``, the tensor and the chunk, followed by ``then`` (what is not done), otherwise."""
-    for t in entry.tensors.values():
-        for i, c in enumerate(t.chunks):
-            if c.is_ref:
-                continue  # in an earlier step's shard, verified where it is copied (copy_refs)
-            if c.end > len(view):
-                raise IntegrityError(f"{label} is {len(view)} bytes, too short for tensor {t.name!r} chunk {i}; {then}")
-            got = xxh3(view[c.begin : c.end])
-            if got != c.xxh3:
-                raise IntegrityError(
-                    f"checksum mismatch in {label}, tensor {t.name!r} chunk {i}: expected {c.xxh3}, got {got}; {then}"
-                )
+    naming ``label``, the tensor and the chunk, followed by ``then`` (what is not done), otherwise.
+    Chunks in an earlier step's shard are verified where that shard is copied (``copy_refs``)."""
+    check_chunks(view, [(t.name, i, c) for t in entry.tensors.values() for i, c in enumerate(t.chunks) if not c.is_ref],
+                 label, then)
 
 
-def _copy_verified(src: Store, dst: Store, key: str, entry: RankEntry, view: memoryview,
-                   limiter: TokenBucket | None) -> None:
-    if entry.bytes:
-        src.read_into(key, 0, view)
-    verify_chunks(view, entry, where(src, key), "not promoting a corrupt copy")
-    if limiter is not None and getattr(dst, "limiter", None) is None:
-        limiter.consume(entry.bytes)
-    dst.put_buffers(key, [view])
+def check_chunks(view: memoryview, chunks: list[tuple[str, int, ChunkInfo]], label: str, then: str) -> None:
+    """Each (tensor name, chunk index, chunk) of ``chunks`` in ``view`` (one file's bytes) against its xxh3."""
+    for name, i, c in chunks:
+        if c.end > len(view):
+            raise IntegrityError(f"{label} is {len(view)} bytes, too short for tensor {name!r} chunk {i}; {then}")
+        got = xxh3(view[c.begin : c.end])
+        if got != c.xxh3:
+            raise IntegrityError(f"checksum mismatch in {label}, tensor {name!r} chunk {i}: expected {c.xxh3}, got {got}; {then}")
+
+
+def _copy_verified(src: Store, dst: Store, key: str, size: int, pool: BufferPool, limiter: TokenBucket | None,
+                   check: Callable[[memoryview], None]) -> CopyStats:
+    """Read ``key`` (``size`` bytes) from ``src`` into a pool buffer, ``check`` it, write it to ``dst``."""
+    t0 = time.perf_counter()
+    buf = pool.acquire(size)
+    try:
+        view = buf.view[:size]
+        if size:
+            src.read_into(key, 0, view)
+        check(view)
+        if limiter is not None and getattr(dst, "limiter", None) is None:
+            limiter.consume(size)
+        dst.put_buffers(key, [view])
+    finally:
+        pool.release(buf)
+    return CopyStats(size, time.perf_counter() - t0, 1)
 
 
 def copy_record(src: Store, dst: Store, step: int, ref: RecordRef) -> CopyStats:
@@ -93,14 +98,13 @@ def copy_refs(src: Store, dst: Store, step: int, entry: RankEntry, pool: BufferP
     """The earlier steps' shards an incremental checkpoint's ``entry`` refers to and ``dst`` lacks,
     copied whole with every referenced chunk verified. A referenced file missing on ``src`` is a
     DanglingReferenceError naming the step, the tensor and the file."""
-    chunks: dict[str, list[tuple[str, ChunkInfo]]] = {}
+    chunks: dict[str, list[tuple[str, int, ChunkInfo]]] = {}
     for t in entry.tensors.values():
-        for c in t.chunks:
+        for i, c in enumerate(t.chunks):
             if c.is_ref:
-                chunks.setdefault(c.file, []).append((t.name, c))
+                chunks.setdefault(c.file, []).append((t.name, i, c))
     stats = CopyStats()
     for key, used in sorted(chunks.items()):
-        t0 = time.perf_counter()
         try:
             size = src.stat(key).size
         except NotFoundError:
@@ -109,22 +113,9 @@ def copy_refs(src: Store, dst: Store, step: int, entry: RankEntry, pool: BufferP
                 "which is missing; not promoting an incomplete checkpoint", step, used[0][0], key) from None
         if size in _sizes_on(dst, key):
             continue  # already there (promoted with the step that wrote it, or with another reference)
-        buf = pool.acquire(size)
-        try:
-            view = buf.view[:size]
-            if size:
-                src.read_into(key, 0, view)
-            for name, c in used:
-                got = xxh3(view[c.begin : c.end]) if c.end <= size else "outside the file"
-                if got != c.xxh3:
-                    raise IntegrityError(f"checksum mismatch in {where(src, key)}, tensor {name!r} (referred to by step "
-                                         f"{step}): expected {c.xxh3}, got {got}; not promoting a corrupt copy")
-            if limiter is not None and getattr(dst, "limiter", None) is None:
-                limiter.consume(size)
-            dst.put_buffers(key, [view])
-        finally:
-            pool.release(buf)
-        stats.add(CopyStats(size, time.perf_counter() - t0, 1))
+        then = f"referred to by step {step}; not promoting a corrupt copy"
+        stats.add(_copy_verified(src, dst, key, size, pool, limiter,
+                                 lambda view, used=used, key=key, then=then: check_chunks(view, used, where(src, key), then)))
     return stats
 
 
