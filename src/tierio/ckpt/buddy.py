@@ -38,12 +38,12 @@ from typing import Any
 import torch
 
 from tierio.errors import ConfigError, FormatError, IntegrityError, StorageError, TierioError
-from tierio.format.manifest import Manifest, RankEntry, check_globals, parse_record, utc_now
+from tierio.format.manifest import Manifest, RankEntry, check_globals, utc_now
 from tierio.format.shard import parse_record_name, parse_step_dir, shard_name, step_dir, step_key
-from tierio.io.checksum import xxh3
 from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Store, list_sizes, read_bytes
 
+from tierio.ckpt.commit import check_record
 from tierio.ckpt.copy import verify_chunks
 from tierio.ckpt.nodes import gather
 from tierio.ckpt.reader import step_dirs
@@ -128,13 +128,7 @@ def check_parcel(parcel: Parcel, rank: int, world_size: int, label: str) -> Rank
     rn = parse_record_name(parcel.name)
     if rn is None or rn.rank != rank:
         raise FormatError(f"{label}: {parcel.name!r} is not a record of rank {rank}")
-    got = xxh3(parcel.record)
-    if got != rn.digest:
-        raise IntegrityError(f"{label}: the record does not match its name (xxh3 {got}, expected {rn.digest}); "
-                             "refusing this copy")
-    entry = parse_record(parcel.record, f"{label}: record", parcel.step, world_size)
-    if entry.rank != rank or entry.file != shard_name(rank):
-        raise FormatError(f"{label}: the record describes {entry.file!r} of rank {entry.rank}, expected rank {rank}'s")
+    entry = check_record(parcel.record, rn.digest, "name", label, parcel.step, world_size, "refusing this copy", rank)
     if entry.bytes != parcel.shard.numel():
         raise IntegrityError(f"{label}: the shard is {parcel.shard.numel()} bytes, its record says {entry.bytes}; "
                              "refusing this copy")
@@ -441,9 +435,10 @@ def node_manifest(step: int, world_size: int, records: Sequence[tuple[int, str, 
         assert not isinstance(item, str)
         _, name, raw = item
         rn = parse_record_name(name)
-        if rn is None or rn.rank != r or xxh3(raw) != rn.digest:
-            raise IntegrityError(f"step {step}: rank {r}'s record {name!r} does not match its name; not restoring it")
-        entries.append(parse_record(raw, f"rank {r}'s record {name} of step {step}", step, world_size))
+        if rn is None or rn.rank != r:
+            raise IntegrityError(f"step {step}: {name!r} is not a record of rank {r}; not restoring it")
+        entries.append(check_record(raw, rn.digest, "name", f"rank {r}'s record {name} of step {step}", step, world_size,
+                                    "not restoring it", r))
     stamp, ts = utc_now()
     man = Manifest(step, world_size, entries, stamp, ts, {}, None)
     check_globals(man, f"step {step} from node copies")

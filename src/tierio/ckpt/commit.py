@@ -164,13 +164,21 @@ def read_record(store: Store, step: int, world_size: int, ref: RecordRef) -> Ran
     """A record, checked against its size and xxh3, strictly parsed."""
     key = step_key(step, ref.name)
     raw = read_bytes(store, key, 0, ref.bytes)  # exactly the bytes the xxh3 covers (a short file raises)
+    return check_record(raw, ref.xxh3, "manifest", where(store, key), step, world_size, "this copy is corrupt")
+
+
+def check_record(raw: bytes, digest: str, named_by: str, label: str, step: int, world_size: int, then: str,
+                 rank: int | None = None) -> RankEntry:
+    """A record's bytes checked against the xxh3 that names it (in its ``named_by``: the manifest's
+    reference, or its own file name), strictly parsed, and describing its rank's shard (of ``rank``
+    when given); IntegrityError / FormatError naming ``label``, followed by ``then``, otherwise."""
     got = xxh3(raw)
-    if got != ref.xxh3:
-        raise IntegrityError(f"{where(store, key)}: the record does not match its manifest (xxh3 {got}, expected "
-                             f"{ref.xxh3}); this copy is corrupt")
-    entry = parse_record(raw, where(store, key), step, world_size)
-    if entry.file != shard_name(entry.rank):
-        raise FormatError(f"{where(store, key)}: names shard {entry.file!r}, expected {shard_name(entry.rank)!r}")
+    if got != digest:
+        raise IntegrityError(f"{label}: the record does not match its {named_by} (xxh3 {got}, expected {digest}); {then}")
+    entry = parse_record(raw, label, step, world_size)
+    want = shard_name(entry.rank if rank is None else rank)
+    if entry.file != want or (rank is not None and entry.rank != rank):
+        raise FormatError(f"{label}: the record describes shard {entry.file!r} of rank {entry.rank}, expected {want!r}")
     return entry
 
 
