@@ -163,6 +163,13 @@ _BATCH_WORKER_OPTIONS = {"num_workers", "prefetch_factor", "persistent_workers",
                          "worker_init_fn", "multiprocessing_context"}
 
 
+def _stop_dataloader_workers(loader: Any) -> None:
+    """Stop a torch DataLoader's worker processes, if it has any running (the next ``iter()`` starts new ones)."""
+    it = getattr(loader, "_iterator", None)
+    if it is not None and hasattr(it, "_shutdown_workers"):
+        it._shutdown_workers()
+
+
 class StreamLoader:
     """Whole batches of a StreamingDataset as tensors (what ``build_loader`` gives for one).
 
@@ -213,9 +220,7 @@ class StreamLoader:
         """Stop the worker processes (the next ``iter()`` starts new ones)."""
         if self.workers is not None:
             self.workers.shutdown()
-        it = getattr(self.loader, "_iterator", None)
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
+        _stop_dataloader_workers(self.loader)
 
     def __iter__(self):
         from tierio.data.ring import RingBatch
@@ -352,7 +357,5 @@ class StatefulLoader:
         loader, self._loader = self._loader, None
         if isinstance(loader, StreamLoader):
             loader.shutdown()
-            return
-        it = getattr(loader, "_iterator", None)
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
+        else:
+            _stop_dataloader_workers(loader)
