@@ -7,7 +7,7 @@ import os
 import threading
 import time
 
-from tierio.storage.cache import UNSYNCED, CacheOptions, FillPlan, NodeCache
+from tierio.storage.cache import LOCKS, UNSYNCED, CacheOptions, FillPlan, NodeCache, entry_name
 
 
 def _plan(data: bytes, started: threading.Event | None = None, durable: bool = True):
@@ -87,3 +87,28 @@ def test_an_entry_committed_unflushed_before_the_last_boot_is_filled_again(tmp_p
     refilled = cache.get("k", "file", _plan(b"fourth"))
     assert not refilled.hit and refilled.path.read_bytes() == b"fourth"
     refilled.release()
+
+
+def test_a_reader_waits_for_another_process_fill_whatever_the_wait_for_room(tmp_path):
+    """Another process is filling the entry (it holds the entry's lock) when this one asks for
+    it: this one waits for the fill and uses it, even with no wait for room (``wait_timeout=0``,
+    the weight cache's default), instead of failing at once."""
+    import fcntl
+
+    lock = tmp_path / LOCKS / f"{entry_name('k')}.lock"
+
+    class Interleaved(NodeCache):
+        checked = False
+
+        def _pin_if_usable(self, *args):
+            pin = super()._pin_if_usable(*args)
+            if not self.checked:  # this process's first look found nothing; now another starts filling
+                self.checked = True
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                threading.Timer(1.0, lambda: os.close(fd)).start()  # its fill ends (without an entry: this one fills)
+            return pin
+
+    cache = Interleaved(tmp_path, CacheOptions(limit=1 << 20, wait_timeout=0))
+    with cache.get("k", "file", _plan(b"mine")) as pin:
+        assert pin.path.read_bytes() == b"mine"

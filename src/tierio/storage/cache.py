@@ -208,10 +208,14 @@ def _flock_own(root: Path, rel: str, mode: int, *, create: bool = True) -> int |
 # -- records --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class CacheOptions:
-    """How big a cache may grow and how long a fill waits for room."""
+    """How big a cache may grow, how long a fill waits for room, and how long a reader waits for
+    another process's fill of the same entry."""
 
     limit: int  # bytes of entries, fills in flight included
     wait_timeout: float = 60.0  # seconds a fill waits while every evictable entry is pinned
+    # A fill of a large model from remote storage takes minutes: a reader waits for it (bounded)
+    # rather than failing, whatever ``wait_timeout`` allows for room.
+    fill_wait: float = 3600.0
     index_limit: int | None = None  # bytes of cached indexes; None: limit // 16, at least 16 MiB
     name: str = "cache"  # what the cache holds ("shards", "weights"), as reported to tierio.events
 
@@ -307,7 +311,7 @@ class NodeCache:
         processes asking at once one fills and the others wait and then hit."""
         name = entry_name(key)
         evicted = 0
-        deadline = time.monotonic() + self.options.wait_timeout
+        deadline = time.monotonic() + self.options.fill_wait
         while evicted < _ATTEMPTS:
             pin = self._pin_if_usable(name, kind, usable)
             if pin is not None:
@@ -322,7 +326,7 @@ class NodeCache:
             if fd is None:
                 if time.monotonic() > deadline:
                     raise StorageError(f"{key} is held in the cache at {self.root} by another process but is not "
-                                       f"usable here after {self.options.wait_timeout:g} s; check what else uses "
+                                       f"usable here after {self.options.fill_wait:g} s; check what else uses "
                                        "that cache directory")
                 time.sleep(_POLL / 10)
                 continue
