@@ -43,7 +43,7 @@ def test_kill_dash_nine_while_saving(tmp_path):
     next_step = 1
     seen_latest = 0
     for trial in range(TRIALS):
-        ready, persisted = ctx.Event(), ctx.Value("q", 0)
+        ready, persisted = ctx.Event(), ctx.Value("q", 0, lock=False)  # a lock would die held by a killed child
         p = ctx.Process(target=saver, args=(root, next_step, ready, persisted))
         p.start()
         assert ready.wait(60), "saver did not start"
