@@ -16,6 +16,10 @@ Figures (seconds are medians of the steady-state repetitions):
                 backward takes longer than the copy (bench/overlap.py)
   incremental   incremental=True with 95% of the state unchanged against full saves: bytes written
                 and the persist stage (bench/incremental.py)
+
+The reads (fio's O_DIRECT read, both restores, dcp.load in place and into new tensors) run after
+every write, in interleaved rounds whose order rotates (common.alternate): this virtual disk
+changes speed within minutes, and each side measured once, at its own moment, met another disk.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -160,15 +165,58 @@ def _tierio(state: dict[str, Any], root: Path, repeat: int, floor: _MemcpyFloor)
         out["blocking_wall_s"] = statistics.median(walls)
         out["persist_s"] = statistics.median(persist)
         out["write_s"] = statistics.median(write)
-        step = repeat + 1
-        for label, into in (("restore_into_s", state), ("restore_alloc_s", None)):
-            common.drop_caches([root])
-            t0 = time.perf_counter()
-            got = mgr.restore(step=step, into=into)
-            out[label] = time.perf_counter() - t0
-            if into is None:
-                del got
-        out["manager_stats"] = json.loads(json.dumps(mgr.stats(), default=str))
+        out["step"] = repeat + 1  # kept for the reads (_reads)
+    return out
+
+
+def _reads(state: dict[str, Any], work: Path, step: int, rounds: int) -> dict[str, Any]:
+    """The read side of every peer on the checkpoints the write side left: fio's O_DIRECT read,
+    tierio's restore in place and into new memory, ``dcp.load`` in place and into ``torch.empty``
+    tensors; ``rounds`` interleaved rounds (common.alternate), page cache dropped before each read.
+    Seconds are medians; every sample is in ``samples``."""
+    import torch.distributed.checkpoint as dcp
+
+    from tierio.ckpt import CheckpointManager, KeepLast, Tier
+
+    tensors = state["tensors"]
+    nbytes = state_nbytes(state)
+    fio_dir, dcp_dir = work / "fio-read", str(work / "dcp" / "save1")
+    with warnings.catch_warnings(), CheckpointManager([Tier(str(work / "tierio"), retention=KeepLast(2))],
+                                                      min_keep=1) as mgr:
+        warnings.simplefilter("ignore", UserWarning)  # DCP without a process group: what we measure
+
+        def fio_read() -> float:
+            r = common.run_fio(fio_dir, "read", nbytes, keep=True)  # laid out once, dropped before each read
+            return r["bytes"] / r["bytes_per_s"]
+
+        def restore(into: Any) -> Callable[[], float]:
+            def run() -> float:
+                t0 = time.perf_counter()
+                got = mgr.restore(step=step, into=into)
+                seconds = time.perf_counter() - t0
+                del got  # a restore into new memory unmaps its files here
+                return seconds
+            return run
+
+        def dcp_load(fresh: bool) -> Callable[[], float]:
+            def run() -> float:
+                t0 = time.perf_counter()
+                dest = {k: torch.empty_like(v) for k, v in tensors.items()} if fresh else tensors
+                dcp.load(dest, storage_reader=dcp.FileSystemReader(dcp_dir), no_dist=True)
+                seconds = time.perf_counter() - t0
+                del dest
+                return seconds
+            return run
+
+        samples = common.alternate({"fio_read_s": fio_read, "restore_into_s": restore(state), "dcp_load_s": dcp_load(False),
+                                    "restore_alloc_s": restore(None), "dcp_load_alloc_s": dcp_load(True)}, rounds,
+                                   lambda: common.drop_caches([work]))
+        stats = json.loads(json.dumps(mgr.stats(), default=str))
+    shutil.rmtree(fio_dir, ignore_errors=True)
+    out: dict[str, Any] = {k: statistics.median(v) for k, v in samples.items()}
+    out["fio_read_bytes_per_s"] = nbytes / out["fio_read_s"]
+    out["samples"] = samples
+    out["manager_stats"] = stats
     return out
 
 
@@ -192,19 +240,7 @@ def _dcp_runs(dcp: Any, state: dict[str, Any], root: Path) -> dict[str, Any]:
         saves.append(time.perf_counter() - t0)
         if i == 0:
             shutil.rmtree(path)
-    out["save_s"] = min(saves)
-    common.drop_caches([root])
-    t0 = time.perf_counter()
-    dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(root / "save1")), no_dist=True)
-    out["load_s"] = time.perf_counter() - t0
-    # DCP loads in place only: a recovering process hands it freshly allocated tensors.
-    common.drop_caches([root])
-    t0 = time.perf_counter()
-    fresh = {k: torch.empty_like(v) for k, v in tensors.items()}
-    dcp.load(fresh, storage_reader=dcp.FileSystemReader(str(root / "save1")), no_dist=True)
-    out["load_alloc_s"] = time.perf_counter() - t0
-    del fresh
-    shutil.rmtree(root / "save1")
+    out["save_s"] = min(saves)  # save1 stays for the reads (_reads)
 
     # async_save: what the call blocks for, steady state (best of calls 2 and 3: the allocator
     # reuses the memory of the previous staging copy, so later calls fault fewer pages). DCP's cached staging
@@ -267,10 +303,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rss = _rss(size, args.tensors, work / "rss")
         shutil.rmtree(work / "rss", ignore_errors=True)
 
-        log(f"fio O_DIRECT write/read, {human_bytes(size)} on {work}")
+        log(f"fio O_DIRECT write, {human_bytes(size)} on {work}")
         (work / "fio").mkdir()
         fio_write = common.run_fio(work / "fio", "write", size)["bytes_per_s"]
-        fio_read = common.run_fio(work / "fio", "read", size)["bytes_per_s"]
         shutil.rmtree(work / "fio")
 
         state = make_state(size, args.tensors)
@@ -283,7 +318,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tio = _tierio(state, work / "tierio", args.repeat, floor)
         memcpy_s = statistics.median(floor.times)
         del floor
-        shutil.rmtree(work / "tierio", ignore_errors=True)
         log("tierio: overlapped saves in a training loop")
         ovl = overlap.measure(state, work / "overlap", args.repeat, memcpy_s)
         shutil.rmtree(work / "overlap", ignore_errors=True)
@@ -292,6 +326,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(work / "incremental", ignore_errors=True)
         log("torch.distributed.checkpoint: save, load, async_save")
         dcp_r = _dcp(state, work / "dcp")
+        rounds = max(1, min(args.repeat, 3))
+        log(f"reads: fio, tierio restore, dcp.load, in place and into new memory; {rounds} interleaved rounds")
+        reads = _reads(state, work, tio["step"], rounds)
+        fio_read = reads["fio_read_bytes_per_s"]
+        shutil.rmtree(work / "tierio", ignore_errors=True)
         shutil.rmtree(work / "dcp", ignore_errors=True)
         log("torch.save + fsync")
         torch_save_s = common.timed_torch_save(state["tensors"], work / "torch")
@@ -310,10 +349,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "overlap_stall_vs_memcpy": ovl["ratio"],
         "incremental_bytes_ratio": inc["bytes_ratio"],
         "incremental_persist_vs_full": inc["persist_ratio"],
-        "restore_vs_fio_read": (nbytes / tio["restore_into_s"]) / fio_read,
-        "restore_vs_dcp_load": dcp_r["load_s"] / tio["restore_into_s"],
-        "restore_alloc_vs_fio_read": (nbytes / tio["restore_alloc_s"]) / fio_read,
-        "restore_alloc_vs_dcp_load_alloc": dcp_r["load_alloc_s"] / tio["restore_alloc_s"],
+        "restore_vs_fio_read": (nbytes / reads["restore_into_s"]) / fio_read,
+        "restore_vs_dcp_load": reads["dcp_load_s"] / reads["restore_into_s"],
+        "restore_alloc_vs_fio_read": (nbytes / reads["restore_alloc_s"]) / fio_read,
+        "restore_alloc_vs_dcp_load_alloc": reads["dcp_load_alloc_s"] / reads["restore_alloc_s"],
         "rss_overhead": rss["peak_rss"] / (2 * rss["state_bytes"]),
         **integ.get("ratios", {}),
     }
@@ -330,8 +369,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "met": met,
         "fio": {"write_bytes_per_s": fio_write, "read_bytes_per_s": fio_read},
         "tierio": {**tio, "persist_bytes_per_s": nbytes / tio["persist_s"], "write_bytes_per_s": persist_bw,
-                   "restore_bytes_per_s": nbytes / tio["restore_into_s"],
-                   "restore_alloc_bytes_per_s": nbytes / tio["restore_alloc_s"]},
+                   "restore_bytes_per_s": nbytes / reads["restore_into_s"],
+                   "restore_alloc_bytes_per_s": nbytes / reads["restore_alloc_s"]},
+        "reads": reads,
         "overlap": ovl,
         "incremental": inc,
         "dcp": dcp_r,
@@ -341,7 +381,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "integrations": integ,
         "extra_ratios": {
             "persist_vs_fio_write_end_to_end": (nbytes / tio["persist_s"]) / fio_write,
-            "restore_alloc_vs_fio_read": (nbytes / tio["restore_alloc_s"]) / fio_read,
             "rss_overhead_excluding_interpreter":
                 (rss["peak_rss"] - (rss["rss_before_save"] - rss["state_bytes"])) / (2 * rss["state_bytes"]),
         },

@@ -1,6 +1,8 @@
 """`tierio bench ckpt --ranks N`: multi-rank checkpoints with real gloo processes on one disk.
 
-One run, on one directory, page cache dropped before every read:
+One run, on one directory, page cache dropped before every read; every comparison alternates its
+sides over ``--repeat`` (at most 5) rounds and takes medians, fio included (this disk's speed
+moves by 2x within minutes):
 
   multirank_persist_vs_fio            aggregate write-phase GB/s of N ranks saving at once (each rank's
                                       staged -> committed, first start to last commit) / fio O_DIRECT
@@ -72,10 +74,10 @@ def _fsdp_model(mesh: Any, layers: int) -> torch.nn.Module:
     return model
 
 
-def _timed(fn: Any, group: Any = None, cpu: dict[str, float] | None = None, key: str = "") -> float:
+def _timed(fn: Any, group: Any = None, cpu: dict[str, list[float]] | None = None, key: str = "") -> float:
     """Seconds for ``fn`` on every rank of ``group``: first start to last end (a barrier each side).
-    With ``cpu``, ``cpu[key]`` gets the CPU seconds all ranks spent (every thread): on a machine
-    with fewer cores than ranks, it tells a CPU-bound phase from one that waits for the disk."""
+    With ``cpu``, ``cpu[key]`` gets the CPU seconds all ranks spent (every thread) appended: on a
+    machine with fewer cores than ranks, it tells a CPU-bound phase from one that waits for the disk."""
     import torch.distributed as dist
 
     dist.barrier(group=group)
@@ -85,7 +87,7 @@ def _timed(fn: Any, group: Any = None, cpu: dict[str, float] | None = None, key:
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, (t0, end, c1 - c0), group=group)
     if cpu is not None:
-        cpu[key] = sum(c for _, _, c in out)
+        cpu.setdefault(key, []).append(sum(c for _, _, c in out))
     return max(e for _, e, _ in out) - min(s for s, _, _ in out)
 
 
@@ -99,17 +101,21 @@ def _drop(paths: list[Path], rank: int, group: Any = None) -> None:
 
 
 def _persist(work: Path, rank: int, world: int, size: int, tensors: int, repeat: int) -> dict[str, Any]:
-    """Every rank saves its share of ``size`` at once, ``repeat`` times after a warm-up."""
+    """Every rank saves its share of ``size`` at once, ``repeat`` times after a warm-up; before
+    each save rank 0 runs fio's O_DIRECT write with ``world`` jobs of the same total size, so the
+    two sides alternate on the same disk (its speed moves by 2x within minutes)."""
     import torch.distributed as dist
 
     from tierio.bench.ckpt import make_state, state_nbytes
     from tierio.ckpt import CheckpointManager, KeepLast, Tier
 
     state = make_state(size // world, max(1, tensors // world), seed=rank)
-    spans, walls, cpus = [], [], []
+    spans, walls, cpus, fio = [], [], [], []
     with CheckpointManager([Tier(str(work / "persist"), KeepLast(2))], min_keep=1) as mgr:
         for step in range(1, repeat + 2):
             state["step"] = step
+            if step > 1 and rank == 0:
+                fio.append(common.run_fio(work / "fio-write", "write", size // world, jobs=world)["bytes_per_s"])
             dist.barrier()
             t0, c0 = time.time(), time.process_time()
             h = mgr.save(step, state)
@@ -123,7 +129,8 @@ def _persist(work: Path, rank: int, world: int, size: int, tensors: int, repeat:
                 walls.append(max(g[2] for g in got) - min(g[0] for g in got))
                 cpus.append(sum(g[3] for g in got))
     return {"bytes": state_nbytes(state) * world, "write_s": statistics.median(spans), "persist_s": statistics.median(walls),
-            "cpu_s": statistics.median(cpus)}  # CPU seconds of all ranks per save, staging to durable
+            "cpu_s": statistics.median(cpus),  # CPU seconds of all ranks per save, staging to durable
+            "write_s_samples": spans, "fio_write_bytes_per_s": statistics.median(fio) if fio else None, "fio_samples": fio}
 
 
 def _buddy(work: Path, rank: int, world: int, size: int, repeat: int) -> dict[str, Any]:
@@ -176,9 +183,11 @@ def _replicated(work: Path, rank: int, world: int, size: int) -> dict[str, Any]:
     return {"written": written, "unique": 2 * rows * 1024 * 4}
 
 
-def _dcp_phase(work: Path, rank: int, world: int, layers: int) -> dict[str, Any]:
+def _dcp_phase(work: Path, rank: int, world: int, layers: int, rounds: int) -> dict[str, Any]:
     """DCP save and load with FileSystemWriter/Reader and TierioWriter/Reader on ``world`` ranks, then
-    the resharding load onto ``world // 2`` ranks: dcp.load against CheckpointManager.restore."""
+    the resharding load onto ``world // 2`` ranks: dcp.load against CheckpointManager.restore, with
+    fio's O_DIRECT read of the same bytes by as many jobs as readers. Each comparison runs in
+    ``rounds`` interleaved rounds (common.alternate); seconds are medians, samples in ``samples``."""
     import warnings
 
     import torch.distributed as dist
@@ -194,39 +203,68 @@ def _dcp_phase(work: Path, rank: int, world: int, layers: int) -> dict[str, Any]
     sub = dist.new_group(list(range(half)))
     mesh = DeviceMesh("cpu", list(range(world)))
     mesh_half = DeviceMesh("cpu", list(range(half)))
-    out: dict[str, Any] = {}
-    cpu: dict[str, float] = {}
+    nbytes = layers * LAYER[0] * LAYER[1] * 4
+    samples: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
 
-    def timed(key: str, fn: Any, group: Any = None) -> None:
-        out[key] = _timed(fn, group, cpu, key)
+    def timed(key: str, fn: Any, group: Any = None) -> Any:
+        return lambda: _timed(fn, group, cpu, key)
+
+    def drop(paths: list[Path], group: Any = None) -> Any:
+        return lambda: _drop(paths, rank, group)
 
     model = _fsdp_model(mesh, layers)
     sd = {"model": get_model_state_dict(model)}
     fs, tio, native = work / "dcp-fs", work / "dcp-tierio", work / "tierio-native"
-    timed("dcp_fs_save_s", lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(fs), sync_files=True)))
+    fs_saves = iter(range(rounds))
     with CheckpointManager([str(tio)]) as mgr:
-        timed("dcp_tierio_save_s", lambda: dcp.save(sd, storage_writer=TierioWriter(mgr, step=1)))
+        steps = iter(range(1, rounds + 1))
+        samples |= common.alternate({
+            "dcp_fs_save_s": timed("dcp_fs_save_s", lambda: dcp.save(
+                sd, storage_writer=dcp.FileSystemWriter(str(fs / str(next(fs_saves))), sync_files=True))),
+            "dcp_tierio_save_s": timed("dcp_tierio_save_s", lambda: dcp.save(sd, storage_writer=TierioWriter(mgr, step=next(steps)))),
+        }, rounds)
         mgr.wait()
     with CheckpointManager([str(native)]) as mgr:
-        timed("tierio_save_s", lambda: mgr.save(1, sd).wait())
-    _drop([fs], rank)
-    timed("dcp_fs_load_s", lambda: dcp.load(sd, storage_reader=dcp.FileSystemReader(str(fs))))
-    _drop([tio], rank)
-    timed("dcp_tierio_load_s", lambda: dcp.load(sd, storage_reader=TierioReader(str(tio))))
+        samples["tierio_save_s"] = [timed("tierio_save_s", lambda: mgr.save(1, sd).wait())()]
+    last_fs = fs / str(rounds - 1)
+    samples |= common.alternate({
+        "dcp_fs_load_s": timed("dcp_fs_load_s", lambda: dcp.load(sd, storage_reader=dcp.FileSystemReader(str(last_fs)))),
+        "dcp_tierio_load_s": timed("dcp_tierio_load_s", lambda: dcp.load(sd, storage_reader=TierioReader(str(tio)))),
+    }, rounds, drop([fs, tio]))
     model = sd = None  # free the full-world state before the half-world one
     # the resharding: the same checkpoints onto half the ranks
     if rank < half:
         small = _fsdp_model(mesh_half, layers)
         sd2 = {"model": get_model_state_dict(small)}
-        _drop([fs], rank, sub)
-        timed("reshard_dcp_load_s", lambda: dcp.load(sd2, storage_reader=dcp.FileSystemReader(str(fs)),
-                                                     process_group=sub), sub)
+
+        def fio_read(**how: Any) -> Any:
+            """The disk reading the same bytes with as many fio jobs as readers (``how``: fio's
+            queue depth, buffered): rank 0 runs it, and its figure is the one reported."""
+            def run() -> float:
+                if rank:
+                    return 0.0
+                r = common.run_fio(work / "fio-read", "read", nbytes // half, jobs=half, keep=True, **how)
+                return r["bytes"] / r["bytes_per_s"]  # fio's own runtime, without its start-up
+            return run
+        fio_read()()  # lays the files out, untimed, before the rounds
         with CheckpointManager([str(native)], process_group=sub) as mgr:
-            _drop([native], rank, sub)
-            timed("reshard_tierio_restore_s", lambda: mgr.restore(into=sd2), sub)
+            samples |= common.alternate({
+                "reshard_dcp_load_s": timed("reshard_dcp_load_s", lambda: dcp.load(
+                    sd2, storage_reader=dcp.FileSystemReader(str(last_fs)), process_group=sub), sub),
+                "reshard_tierio_restore_s": timed("reshard_tierio_restore_s", lambda: mgr.restore(into=sd2), sub),
+                "reshard_fio_read_s": fio_read(),  # the job the targets name: O_DIRECT, 8 MiB, depth 8
+                # the disk's best: deeper queues, and the page cache with readahead (as dcp.load reads)
+                "reshard_fio_read_qd32_s": fio_read(iodepth=32),
+                "reshard_fio_read_buffered_s": fio_read(direct=False),
+            }, rounds, drop([last_fs, native, work / "fio-read"], sub))
     dist.barrier()
-    out["cpu_s"] = cpu  # CPU seconds of all ranks in each timed phase
-    out["state_bytes"] = layers * LAYER[0] * LAYER[1] * 4
+    if rank == 0:
+        shutil.rmtree(work / "fio-read", ignore_errors=True)
+    out: dict[str, Any] = {k: statistics.median(v) for k, v in samples.items()}
+    out["samples"] = samples
+    out["cpu_s"] = {k: statistics.median(v) for k, v in cpu.items()}  # CPU seconds of all ranks in each timed phase
+    out["state_bytes"] = nbytes
     return out
 
 
@@ -246,7 +284,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any], init: str) -> None:
             shutil.rmtree(work / "persist", ignore_errors=True)
         if rank == 0:
             _log("FSDP2 state: DCP FileSystemWriter/Reader, TierioWriter/Reader, resharding onto half the ranks")
-        result["dcp"] = _dcp_phase(work, rank, world, cfg["layers"])
+        result["dcp"] = _dcp_phase(work, rank, world, cfg["layers"], cfg["repeat"])
         if rank == 0:
             _log("half-replicated state")
         result["replicated"] = _replicated(work, rank, world, cfg["size"] // 4)
@@ -271,13 +309,11 @@ def run_ranks(args: Any) -> dict[str, Any]:
     work = common.work_dir(args.dir, "cluster")
     load = {"start": os.getloadavg()[0]}  # other work on the machine competes for its cores
     try:
-        _log(f"fio O_DIRECT write, {world} jobs, {human_bytes(size)} in all, on {work}")
-        fio = common.run_fio(work / "fio", "write", size // world, jobs=world)["bytes_per_s"]
-        _log(f"fio O_DIRECT read, {world} and {world // 2} jobs, and one buffered reader, {human_bytes(size)} in all")
-        fio_read = {f"{n}_jobs": common.run_fio(work / "fio", "read", size // n, jobs=n)["bytes_per_s"] for n in (world, world // 2)}
+        _log(f"fio O_DIRECT read, {world} jobs, and one buffered reader, {human_bytes(size)} in all, on {work}")
+        fio_read = {f"{world}_jobs": common.run_fio(work / "fio", "read", size // world, jobs=world)["bytes_per_s"]}
         fio_read["buffered_1_job"] = common.run_fio(work / "fio", "read", size, direct=False)["bytes_per_s"]
         shutil.rmtree(work / "fio", ignore_errors=True)
-        cfg = {"work": str(work), "size": size, "tensors": args.tensors, "repeat": max(1, min(args.repeat, 3)), "layers": layers}
+        cfg = {"work": str(work), "size": size, "tensors": args.tensors, "repeat": max(1, min(args.repeat, 5)), "layers": layers}
         tmp.start_processes(rank_main, args=(world, cfg, f"file://{work}/pg"), nprocs=world, start_method="spawn")
         r = json.loads((work / "result.json").read_text())
         load["end"] = os.getloadavg()[0]
@@ -285,6 +321,11 @@ def run_ranks(args: Any) -> dict[str, Any]:
         if not getattr(args, "keep", False):
             shutil.rmtree(work, ignore_errors=True)
     p, d, rep = r["persist"], r["dcp"], r["replicated"]
+    fio = p["fio_write_bytes_per_s"]
+    d["reshard_fio_best_s"] = min(d[k] for k in ("reshard_fio_read_s", "reshard_fio_read_qd32_s", "reshard_fio_read_buffered_s"))
+    fio_read[f"{world // 2}_jobs_interleaved"] = d["state_bytes"] / d["reshard_fio_read_s"]
+    fio_read[f"{world // 2}_jobs_interleaved_qd32"] = d["state_bytes"] / d["reshard_fio_read_qd32_s"]
+    fio_read[f"{world // 2}_jobs_interleaved_buffered"] = d["state_bytes"] / d["reshard_fio_read_buffered_s"]
     ratios = {
         "multirank_persist_vs_fio": p["bytes"] / p["write_s"] / fio,
         "reshard_restore_vs_dcp_load": d["reshard_dcp_load_s"] / d["reshard_tierio_restore_s"],
@@ -306,8 +347,12 @@ def run_ranks(args: Any) -> dict[str, Any]:
             # how close each reader comes to the disk (fio O_DIRECT read with as many jobs as readers)
             "dcp_filesystem_load_vs_fio_read": d["state_bytes"] / d["dcp_fs_load_s"] / fio_read[f"{world}_jobs"],
             "dcp_tierio_load_vs_fio_read": d["state_bytes"] / d["dcp_tierio_load_s"] / fio_read[f"{world}_jobs"],
-            "reshard_dcp_load_vs_fio_read": d["state_bytes"] / d["reshard_dcp_load_s"] / fio_read[f"{world // 2}_jobs"],
-            "reshard_tierio_restore_vs_fio_read": d["state_bytes"] / d["reshard_tierio_restore_s"] / fio_read[f"{world // 2}_jobs"],
+            "reshard_dcp_load_vs_fio_read": d["reshard_fio_read_s"] / d["reshard_dcp_load_s"],
+            "reshard_tierio_restore_vs_fio_read": d["reshard_fio_read_s"] / d["reshard_tierio_restore_s"],
+            # the fastest of fio's three reads of the same bytes in the same rounds: dcp.load's rate
+            # over it says how far above the disk 1.5x dcp.load lies
+            "reshard_dcp_load_vs_best_fio_read": d["reshard_fio_best_s"] / d["reshard_dcp_load_s"],
+            "reshard_tierio_restore_vs_best_fio_read": d["reshard_fio_best_s"] / d["reshard_tierio_restore_s"],
             "manager_save_vs_dcp_filesystem_save": d["dcp_fs_save_s"] / d["tierio_save_s"],
         },
     }

@@ -54,7 +54,8 @@ def run_fio(directory: str | Path, rw: str, size: int, *, bs: str = "8M", iodept
     With ``jobs`` > 1, that many jobs each write (or read) a file of ``size`` bytes at once and the
     figures are their aggregate.
 
-    A read job lays out its file first (untimed) and drops it from the page cache before reading.
+    A read job lays out its file first (untimed; with ``keep``, files already laid out are reused,
+    so repeated reads do not each follow a write) and drops it from the page cache before reading.
     """
     fio = require_tool("fio", "apt-get install fio")
     directory = Path(directory)
@@ -64,8 +65,10 @@ def run_fio(directory: str | Path, rw: str, size: int, *, bs: str = "8M", iodept
         common = [f"--name={name}", f"--directory={directory}", f"--numjobs={jobs}", f"--bs={bs}",
                   f"--iodepth={iodepth}", "--ioengine=libaio", f"--size={size}", "--output-format=json"]
         if rw in ("read", "randread"):  # lay the files out first (untimed), then drop them from the cache
-            subprocess.run([fio, *common, "--rw=write", "--direct=1"], check=True, capture_output=True)
-            drop_caches(directory.glob(f"{name}.*"))
+            files = [directory / f"{name}.{j}.0" for j in range(jobs)]
+            if not (keep and all(f.exists() and f.stat().st_size >= size for f in files)):
+                subprocess.run([fio, *common, "--rw=write", "--direct=1"], check=True, capture_output=True)
+            drop_caches(files)
         args = [fio, *common, "--group_reporting", f"--rw={rw}", f"--direct={1 if direct else 0}"]
         out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
         part = json.loads(out[out.index("{"):])["jobs"][0]["write" if "write" in rw else "read"]
@@ -119,6 +122,24 @@ def timed(fn: Callable[[], T]) -> tuple[T, float]:
     t0 = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - t0
+
+
+def alternate(runs: dict[str, Callable[[], float]], rounds: int,
+              before: Callable[[], None] | None = None) -> dict[str, list[float]]:
+    """Each of ``runs`` ``rounds`` times, interleaved, the order rotated by one every round; the
+    samples per name, in round order. ``before`` runs before every sample (dropping the page cache).
+
+    Why: the virtual disks these benchmarks run on change speed by 2x within minutes, so two sides
+    measured once each, a minute apart, meet different disks. Interleaved rounds give every side
+    the same mix of the disk's states, and no side always runs right after the same other one."""
+    names = list(runs)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(max(1, rounds)):
+        for n in names[r % len(names):] + names[: r % len(names)]:
+            if before is not None:
+                before()
+            out[n].append(runs[n]())
+    return out
 
 
 def rss_bytes() -> int:
