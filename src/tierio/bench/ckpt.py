@@ -208,6 +208,7 @@ def _reads(state: dict[str, Any], work: Path, step: int, rounds: int) -> dict[st
                 return seconds
             return run
 
+        fio_read()  # lays its file out, untimed, before the rounds
         samples = common.alternate({"fio_read_s": fio_read, "restore_into_s": restore(state), "dcp_load_s": dcp_load(False),
                                     "restore_alloc_s": restore(None), "dcp_load_alloc_s": dcp_load(True)}, rounds,
                                    lambda: common.drop_caches([work]))

@@ -213,6 +213,16 @@ def _dcp_phase(work: Path, rank: int, world: int, layers: int, rounds: int) -> d
     def drop(paths: list[Path], group: Any = None) -> Any:
         return lambda: _drop(paths, rank, group)
 
+    def fio_read(jobs: int, **how: Any) -> Any:
+        """The disk reading the same bytes with ``jobs`` fio jobs, one per reader (``how``: fio's
+        queue depth, buffered): rank 0 runs it, and its figure is the one reported."""
+        def run() -> float:
+            if rank:
+                return 0.0
+            r = common.run_fio(work / f"fio-read-{jobs}", "read", nbytes // jobs, jobs=jobs, keep=True, **how)
+            return r["bytes"] / r["bytes_per_s"]  # fio's own runtime, without its start-up
+        return run
+
     model = _fsdp_model(mesh, layers)
     sd = {"model": get_model_state_dict(model)}
     fs, tio, native = work / "dcp-fs", work / "dcp-tierio", work / "tierio-native"
@@ -228,39 +238,32 @@ def _dcp_phase(work: Path, rank: int, world: int, layers: int, rounds: int) -> d
     with CheckpointManager([str(native)]) as mgr:
         samples["tierio_save_s"] = [timed("tierio_save_s", lambda: mgr.save(1, sd).wait())()]
     last_fs = fs / str(rounds - 1)
+    fio_read(world)()  # lays the files out, untimed, before the rounds
     samples |= common.alternate({
         "dcp_fs_load_s": timed("dcp_fs_load_s", lambda: dcp.load(sd, storage_reader=dcp.FileSystemReader(str(last_fs)))),
         "dcp_tierio_load_s": timed("dcp_tierio_load_s", lambda: dcp.load(sd, storage_reader=TierioReader(str(tio)))),
-    }, rounds, drop([fs, tio]))
+        "fio_read_s": fio_read(world),  # O_DIRECT, 8 MiB, depth 8, a job per rank
+    }, rounds, drop([fs, tio, work / f"fio-read-{world}"]))
     model = sd = None  # free the full-world state before the half-world one
     # the resharding: the same checkpoints onto half the ranks
     if rank < half:
         small = _fsdp_model(mesh_half, layers)
         sd2 = {"model": get_model_state_dict(small)}
-
-        def fio_read(**how: Any) -> Any:
-            """The disk reading the same bytes with as many fio jobs as readers (``how``: fio's
-            queue depth, buffered): rank 0 runs it, and its figure is the one reported."""
-            def run() -> float:
-                if rank:
-                    return 0.0
-                r = common.run_fio(work / "fio-read", "read", nbytes // half, jobs=half, keep=True, **how)
-                return r["bytes"] / r["bytes_per_s"]  # fio's own runtime, without its start-up
-            return run
-        fio_read()()  # lays the files out, untimed, before the rounds
+        fio_read(half)()  # lays the files out, untimed, before the rounds
         with CheckpointManager([str(native)], process_group=sub) as mgr:
             samples |= common.alternate({
                 "reshard_dcp_load_s": timed("reshard_dcp_load_s", lambda: dcp.load(
                     sd2, storage_reader=dcp.FileSystemReader(str(last_fs)), process_group=sub), sub),
                 "reshard_tierio_restore_s": timed("reshard_tierio_restore_s", lambda: mgr.restore(into=sd2), sub),
-                "reshard_fio_read_s": fio_read(),  # the job the targets name: O_DIRECT, 8 MiB, depth 8
+                "reshard_fio_read_s": fio_read(half),  # the job the targets name: O_DIRECT, 8 MiB, depth 8
                 # the disk's best: deeper queues, and the page cache with readahead (as dcp.load reads)
-                "reshard_fio_read_qd32_s": fio_read(iodepth=32),
-                "reshard_fio_read_buffered_s": fio_read(direct=False),
-            }, rounds, drop([last_fs, native, work / "fio-read"], sub))
+                "reshard_fio_read_qd32_s": fio_read(half, iodepth=32),
+                "reshard_fio_read_buffered_s": fio_read(half, direct=False),
+            }, rounds, drop([last_fs, native, work / f"fio-read-{half}"], sub))
     dist.barrier()
     if rank == 0:
-        shutil.rmtree(work / "fio-read", ignore_errors=True)
+        for jobs in (world, half):
+            shutil.rmtree(work / f"fio-read-{jobs}", ignore_errors=True)
     out: dict[str, Any] = {k: statistics.median(v) for k, v in samples.items()}
     out["samples"] = samples
     out["cpu_s"] = {k: statistics.median(v) for k, v in cpu.items()}  # CPU seconds of all ranks in each timed phase
@@ -309,10 +312,6 @@ def run_ranks(args: Any) -> dict[str, Any]:
     work = common.work_dir(args.dir, "cluster")
     load = {"start": os.getloadavg()[0]}  # other work on the machine competes for its cores
     try:
-        _log(f"fio O_DIRECT read, {world} jobs, and one buffered reader, {human_bytes(size)} in all, on {work}")
-        fio_read = {f"{world}_jobs": common.run_fio(work / "fio", "read", size // world, jobs=world)["bytes_per_s"]}
-        fio_read["buffered_1_job"] = common.run_fio(work / "fio", "read", size, direct=False)["bytes_per_s"]
-        shutil.rmtree(work / "fio", ignore_errors=True)
         cfg = {"work": str(work), "size": size, "tensors": args.tensors, "repeat": max(1, min(args.repeat, 5)), "layers": layers}
         tmp.start_processes(rank_main, args=(world, cfg, f"file://{work}/pg"), nprocs=world, start_method="spawn")
         r = json.loads((work / "result.json").read_text())
@@ -323,9 +322,9 @@ def run_ranks(args: Any) -> dict[str, Any]:
     p, d, rep = r["persist"], r["dcp"], r["replicated"]
     fio = p["fio_write_bytes_per_s"]
     d["reshard_fio_best_s"] = min(d[k] for k in ("reshard_fio_read_s", "reshard_fio_read_qd32_s", "reshard_fio_read_buffered_s"))
-    fio_read[f"{world // 2}_jobs_interleaved"] = d["state_bytes"] / d["reshard_fio_read_s"]
-    fio_read[f"{world // 2}_jobs_interleaved_qd32"] = d["state_bytes"] / d["reshard_fio_read_qd32_s"]
-    fio_read[f"{world // 2}_jobs_interleaved_buffered"] = d["state_bytes"] / d["reshard_fio_read_buffered_s"]
+    fio_read = {f"{n}_jobs{how}": d["state_bytes"] / d[key] for n, how, key in (
+        (world, "", "fio_read_s"), (world // 2, "", "reshard_fio_read_s"),
+        (world // 2, "_qd32", "reshard_fio_read_qd32_s"), (world // 2, "_buffered", "reshard_fio_read_buffered_s"))}
     ratios = {
         "multirank_persist_vs_fio": p["bytes"] / p["write_s"] / fio,
         "reshard_restore_vs_dcp_load": d["reshard_dcp_load_s"] / d["reshard_tierio_restore_s"],
@@ -345,8 +344,8 @@ def run_ranks(args: Any) -> dict[str, Any]:
         "extra_ratios": {
             "multirank_persist_end_to_end_vs_fio": p["bytes"] / p["persist_s"] / fio,
             # how close each reader comes to the disk (fio O_DIRECT read with as many jobs as readers)
-            "dcp_filesystem_load_vs_fio_read": d["state_bytes"] / d["dcp_fs_load_s"] / fio_read[f"{world}_jobs"],
-            "dcp_tierio_load_vs_fio_read": d["state_bytes"] / d["dcp_tierio_load_s"] / fio_read[f"{world}_jobs"],
+            "dcp_filesystem_load_vs_fio_read": d["fio_read_s"] / d["dcp_fs_load_s"],
+            "dcp_tierio_load_vs_fio_read": d["fio_read_s"] / d["dcp_tierio_load_s"],
             "reshard_dcp_load_vs_fio_read": d["reshard_fio_read_s"] / d["reshard_dcp_load_s"],
             "reshard_tierio_restore_vs_fio_read": d["reshard_fio_read_s"] / d["reshard_tierio_restore_s"],
             # the fastest of fio's three reads of the same bytes in the same rounds: dcp.load's rate
