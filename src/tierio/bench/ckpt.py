@@ -168,6 +168,7 @@ def _tierio(state: dict[str, Any], root: Path, repeat: int, floor: _MemcpyFloor)
         out["persist_s"] = statistics.median(persist)
         out["write_s"] = statistics.median(write)
         out["step"] = repeat + 1  # kept for the reads (_reads)
+        out["manager_stats"] = json.loads(json.dumps(mgr.stats(), default=str))
     return out
 
 
@@ -188,27 +189,22 @@ def _reads(state: dict[str, Any], work: Path, step: int, rounds: int) -> dict[st
         warnings.simplefilter("ignore", UserWarning)  # DCP without a process group: what we measure
 
         def fio_read() -> float:
-            r = common.run_fio(fio_dir, "read", nbytes, keep=True)  # laid out once, dropped before each read
-            return r["bytes"] / r["bytes_per_s"]
+            return common.run_fio(fio_dir, "read", nbytes, keep=True)["seconds"]  # laid out once, dropped before each read
 
         def restore(into: Any) -> Callable[[], float]:
             def run() -> float:
-                t0 = time.perf_counter()
-                got = mgr.restore(step=step, into=into)
-                seconds = time.perf_counter() - t0
+                got, seconds = common.timed(lambda: mgr.restore(step=step, into=into))
                 del got  # a restore into new memory unmaps its files here
                 return seconds
             return run
 
         def dcp_load(fresh: bool) -> Callable[[], float]:
-            def run() -> float:
-                t0 = time.perf_counter()
+            # DCP loads in place only: a recovering process hands it freshly allocated tensors,
+            # allocated inside the timed call.
+            def load() -> None:
                 dest = {k: torch.empty_like(v) for k, v in tensors.items()} if fresh else tensors
                 dcp.load(dest, storage_reader=dcp.FileSystemReader(dcp_dir), no_dist=True)
-                seconds = time.perf_counter() - t0
-                del dest
-                return seconds
-            return run
+            return lambda: common.timed(load)[1]
 
         fio_read()  # lays its file out, untimed, before the rounds
         samples = common.alternate({"fio_read_s": fio_read, "restore_into_s": restore(state), "dcp_load_s": dcp_load(False),
@@ -327,7 +323,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         log("tierio: incremental saves, 95% of the state unchanged")
         inc = incremental.measure(state, work / "incremental")
         shutil.rmtree(work / "incremental", ignore_errors=True)
-        log("torch.distributed.checkpoint: save, load, async_save")
+        log("torch.distributed.checkpoint: save, async_save")
         dcp_r = _dcp(state, work / "dcp")
         rounds = max(1, min(args.repeat, 3))
         log(f"reads: fio, tierio restore, dcp.load, in place and into new memory; {rounds} interleaved rounds")

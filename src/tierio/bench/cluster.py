@@ -219,8 +219,8 @@ def _dcp_phase(work: Path, rank: int, world: int, layers: int, rounds: int) -> d
         def run() -> float:
             if rank:
                 return 0.0
-            r = common.run_fio(work / f"fio-read-{jobs}", "read", nbytes // jobs, jobs=jobs, keep=True, **how)
-            return r["bytes"] / r["bytes_per_s"]  # fio's own runtime, without its start-up
+            # fio's own runtime, without its start-up
+            return common.run_fio(work / f"fio-read-{jobs}", "read", nbytes // jobs, jobs=jobs, keep=True, **how)["seconds"]
         return run
 
     model = _fsdp_model(mesh, layers)
