@@ -20,7 +20,7 @@ from test_ckpt_reshard import WHOLE, ranks, save_rows
 def make_state() -> dict:
     g = torch.Generator().manual_seed(16)
     return {
-        "big": torch.randn(17 << 20, generator=g),  # 68 MiB: two checksum chunks in the shard
+        "big": torch.randn(17 << 20, generator=g),  # 68 MiB: two checksum chunks, the first populated in 4 windows
         "w": torch.randn(333, 77, generator=g),
         "h": torch.randn(1001, generator=g).bfloat16(),
         "i8": torch.randint(-128, 127, (13,), dtype=torch.int8, generator=g),
@@ -181,6 +181,27 @@ def test_a_global_tensor_saved_whole_is_mapped(tmp_path):
     with CheckpointManager([tmp_path]) as mgr:
         assert torch.equal(mgr.restore()["w"], WHOLE)
         assert mgr.stats()["restore"]["mapped_bytes"] == WHOLE.numel() * 4
+
+
+def test_populate_windows_group_small_chunks_and_cut_large_ones_on_pages():
+    from tierio.ckpt.mapped import windows
+    from tierio.format.manifest import ChunkInfo
+
+    def chunk(begin: int, end: int) -> ChunkInfo:
+        return ChunkInfo("rank_00000.safetensors", begin, end, (0,), (end - begin,), "0" * 16)
+
+    size = 16 * 4096
+    small = [chunk(4096 + i * 10_000, 4096 + (i + 1) * 10_000) for i in range(6)]  # 60,000 bytes
+    big = chunk(small[-1].end, small[-1].end + 3 * size + 123)
+    got = windows(small + [big], 4096, size)
+    assert [len(w.chunks) for w in got] == [6, 1, 1, 1, 1]
+    assert got[0].offset == 0 and got[0].length == 60_000
+    pieces = got[1:]
+    assert all(w.chunks == [big] for w in pieces)
+    assert pieces[0].offset == big.begin - 4096 and all(w.length <= size for w in pieces)
+    assert all(w.length % 4096 == 0 for w in pieces[:-1])
+    assert sum(w.length for w in pieces) == big.nbytes  # every byte once, none past the chunk
+    assert all(a.offset + a.length == b.offset for a, b in zip(pieces, pieces[1:]))
 
 
 def corrupt_chunk(root: Path, name: str, index: int) -> None:

@@ -21,6 +21,7 @@ from tierio.io.engine import (
     ByteRange,
     Window,
     Windowing,
+    drain,
     executor,
     plan,
     run_windows,
@@ -105,6 +106,49 @@ def test_an_error_cancels_the_rest_and_waits_for_running_windows():
         run_windows((Window(i, 0, 1) for i in range(1000)), body, depth=8)
     assert state["running"] == 0
     assert len(started) < 1000
+
+
+def test_drain_runs_every_item_once_and_no_worker_waits_behind_a_slow_one():
+    """Item 0 finishes only once every other item has run: with two workers, the second must
+    take all the others meanwhile (oldest-first reaping would start none of them)."""
+    n = 50
+    done: list[int] = []
+    lock = threading.Lock()
+    rest_done = threading.Event()
+
+    def body(i: int) -> None:
+        if i == 0:
+            assert rest_done.wait(HANG), "the other items waited behind item 0"
+        with lock:
+            done.append(i)
+            if len(done) == n - 1:
+                rest_done.set()
+
+    finishes(lambda: drain(range(n), body, 2))
+    assert sorted(done) == list(range(n)) and done[-1] == 0
+
+
+def test_drain_stops_taking_items_after_an_error_and_waits_for_running_ones():
+    running = {"n": 0}
+    taken: list[int] = []
+    lock = threading.Lock()
+
+    def body(i: int) -> None:
+        with lock:
+            running["n"] += 1
+            taken.append(i)
+        try:
+            if i == 3:
+                raise IntegrityError("item 3 failed")
+            time.sleep(0.01)
+        finally:
+            with lock:
+                running["n"] -= 1
+
+    with pytest.raises(IntegrityError, match="item 3"):
+        drain(range(1000), body, 4)
+    assert running["n"] == 0
+    assert len(taken) < 100
 
 
 def test_nested_runs_on_a_saturated_pool_do_not_deadlock():

@@ -141,12 +141,16 @@ def region(t: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) ->
 
 def contiguous_at(dest: torch.Tensor, rel: tuple[int, ...], sizes: tuple[int, ...]) -> int | None:
     """The byte offset in ``dest`` of the box ``rel``/``sizes`` when that box is one contiguous
-    stretch of ``dest`` (a contiguous tensor), else None."""
+    stretch of ``dest`` (a contiguous tensor, or a stand-in of its shape and dtype), else None."""
     full = tuple(dest.shape)
     last = max((i for i in range(len(sizes)) if sizes[i] != full[i]), default=0)
     if any(sizes[i] != 1 for i in range(last)):
         return None
-    return sum(o * s for o, s in zip(rel, dest.stride())) * dest.element_size()
+    stride, at = 1, 0
+    for o, n in zip(reversed(rel), reversed(full)):  # row-major strides, from the shape alone
+        at += o * stride
+        stride *= n
+    return at * dest.element_size()
 
 
 def _bytes(t: torch.Tensor) -> memoryview:

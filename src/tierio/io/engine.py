@@ -124,6 +124,34 @@ def run_windows(windows: Iterable[T], body: Callable[[T], R], depth: int) -> lis
     return results
 
 
+_END = object()
+
+
+def drain(items: Iterable[T], body: Callable[[T], None], workers: int) -> None:
+    """``body(item)`` for every item on ``workers`` requests, each taking the next item as soon as
+    it finishes one. Unlike ``run_windows``, whose oldest-first reaping starts no new window while
+    the oldest is still running, no worker idles behind a slow item: for bodies whose cost varies
+    (page faults whose price the host decides). The first error stops the other workers taking
+    items and is raised once they are done."""
+    it = iter(items)
+    lock = threading.Lock()
+    failed = threading.Event()
+
+    def worker(_: int) -> None:
+        while not failed.is_set():
+            with lock:
+                item = next(it, _END)
+            if item is _END:
+                return
+            try:
+                body(item)  # type: ignore[arg-type]
+            except BaseException:
+                failed.set()
+                raise
+
+    run_windows(range(max(1, workers)), worker, workers)
+
+
 # -- windows -----------------------------------------------------------------------------------
 class HasSpan(Protocol):
     """Anything covering bytes [start, end) of one file or object."""

@@ -29,7 +29,7 @@ import numpy as np
 
 from tierio.errors import IntegrityError
 from tierio.io.buffers import ALIGN, align_up
-from tierio.io.engine import run_windows
+from tierio.io.engine import drain, run_windows
 from tierio.io.pagecache import libc
 from tierio.units import MiB
 
@@ -166,11 +166,12 @@ def populate_windows(mapping: FileMapping, spans: Sequence[tuple[int, int]], aft
     """Populate each span ``(offset, length)`` of ``mapping`` (offsets relative to the mapping),
     ``depth`` at a time on the shared I/O pool, and call ``after(offset, length)`` in the same
     thread once its pages are in (a checksum, while the other windows are still being read).
-    Callers cut their spans around MAP_CHUNK bytes."""
+    A thread done with its span takes the next at once (engine.drain): how long a span takes is
+    up to the page cache and, on a virtual machine, the host."""
 
     def one(span: tuple[int, int]) -> None:
         mapping.populate(*span)
         if after is not None:
             after(*span)
 
-    run_windows(list(spans), one, depth)
+    drain(spans, one, depth)
