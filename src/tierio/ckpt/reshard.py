@@ -86,7 +86,8 @@ def own_tensors(entry: RankEntry) -> dict[str, Stored]:
 
 @dataclass(frozen=True)
 class Target:
-    """Where restored bytes go: ``dest``, a contiguous CPU tensor of the stored dtype, holds ``box``."""
+    """Where restored bytes go: ``dest``, a contiguous CPU tensor of the stored dtype, holds ``box``
+    (until a restore into new memory gives it memory: a stand-in of its shape and dtype)."""
 
     name: str
     dest: torch.Tensor
