@@ -95,17 +95,25 @@ def test_a_restored_rng_state_is_accepted_by_torch(tmp_path):
 
 
 def test_the_read_way_is_chosen_by_measurement_per_file_system():
-    from tierio.io.readpath import SAMPLES, ReadPath
+    from tierio.io.readpath import CLEAR, SAMPLES, ReadPath
 
     way = ReadPath(device=1)
     picks = [way.direct() for _ in range(4)]
     assert picks == [True, False, True, False]  # alternates while measuring
+    assert CLEAR > 1.5
     for _ in range(SAMPLES):
-        way.record(True, 100, 1.0)
         assert way.measuring
-        way.record(False, 300, 1.0)
+        way.record(True, 200, 1.0)
+        assert way.measuring
+        way.record(False, 300, 1.0)  # 1.5x: not clear from one pair, decided by SAMPLES of each
     assert way.chosen == "buffered" and not way.direct()
     assert way.to_dict() == {"chosen": "buffered", "direct_gb_per_s": 0.0, "buffered_gb_per_s": 0.0}
+    clear = ReadPath(device=4)
+    clear.record(True, 1e8, 1.0)
+    clear.record(True, 2e8, 1.0)
+    assert clear.measuring  # one way alone decides nothing
+    clear.record(False, 3.5e9, 1.0)
+    assert clear.chosen == "buffered"  # far ahead from its first sample: no more slow reads
     fast_disk = ReadPath(device=2)
     for _ in range(SAMPLES):
         fast_disk.record(True, 3e9, 1.0)
