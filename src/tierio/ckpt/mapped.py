@@ -31,6 +31,7 @@ from tierio import events
 from tierio.errors import FormatError, IntegrityError, NotFoundError, StorageError
 from tierio.format.manifest import ChunkInfo, RankEntry, file_key
 from tierio.format.safetensors import torch_dtype
+from tierio.io.buffers import align_up
 from tierio.io.checksum import verify as verify_checksum
 from tierio.io.mapping import FileMapping, page_start, populate_windows
 from tierio.storage.local import LocalStore
@@ -108,8 +109,7 @@ def windows(chunks: Sequence[ChunkInfo], start: int, size: int = VERIFY_WINDOW) 
             out[-1].chunks.append(c)
             continue
         pieces = max(1, -(-(hi - lo) // size))
-        step = -(-(hi - lo) // pieces)
-        step += -step % mmap.PAGESIZE
+        step = align_up(-(-(hi - lo) // pieces), mmap.PAGESIZE)
         at = lo
         while at < hi:
             out.append(_Window(at, min(step, hi - at), [c]))
