@@ -25,10 +25,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from tierio.errors import FormatError, IntegrityError, NotFoundError, StorageError, TierioError
+from tierio.errors import FormatError, IntegrityError, LeaseError, NotFoundError, StorageError, TierioError
 from tierio.format.manifest import (
     INCREMENTAL_FIELD, Manifest, RankEntry, RecordRef, encode_record, parse_manifest, parse_record, utc_now,
 )
@@ -36,6 +36,8 @@ from tierio.format.shard import manifest_key, parse_record_name, record_name, sh
 from tierio.io.checksum import xxh3
 from tierio.io.engine import run_windows
 from tierio.storage.base import Store, list_sizes, read_bytes
+
+from tierio.ckpt.lease import GENERATION_FIELD
 
 log = logging.getLogger("tierio.ckpt")
 
@@ -226,10 +228,38 @@ def build_manifest(store: Store, plan: CommitPlan) -> Manifest:
     return Manifest(plan.step, plan.world_size, ranks, stamp, ts, extra, plan.tree)
 
 
-def commit(store: Store, manifest: Manifest, merged: list[str]) -> bytes:
-    """Step 3c: write the manifest (the commit), then remove the records it merged."""
+Fence = Callable[[], int]  # the leader's lease check: its generation, or LeaseError (ckpt.lease)
+
+
+def put_manifest(store: Store, step: int, raw: bytes, fence: Fence | None) -> None:
+    """The commit point. With ``fence``, the lease is checked right before the write and right
+    after it: a writer deposed while it wrote (paused, cut off) retracts its manifest, so the step
+    it committed under a superseded generation does not stay listed."""
+    if fence is not None:
+        fence()
+    key = manifest_key(step)
+    store.put_buffers(key, [raw])
+    if fence is None:
+        return
+    try:
+        fence()
+    except LeaseError:
+        try:
+            if read_bytes(store, key) == raw:
+                store.delete(key)
+        except TierioError as exc:
+            log.error("could not retract the manifest of step %d on %s, committed under a lost lease: %s",
+                      step, store.url, exc)
+        raise
+
+
+def commit(store: Store, manifest: Manifest, merged: list[str], fence: Fence | None = None) -> bytes:
+    """Step 3c: write the manifest (the commit), then remove the records it merged. With ``fence``
+    the manifest records the lease generation it is committed under (``lease.GENERATION_FIELD``)."""
+    if fence is not None:
+        manifest = replace(manifest, extra={**manifest.extra, GENERATION_FIELD: fence()})
     raw = manifest.encode()
-    store.put_buffers(manifest_key(manifest.step), [raw])
+    put_manifest(store, manifest.step, raw, fence)
     if all(r.loaded for r in manifest.ranks):  # after the commit point: the manifest holds them now
 
         def drop(name: str) -> None:
@@ -243,12 +273,12 @@ def commit(store: Store, manifest: Manifest, merged: list[str]) -> bytes:
 
 
 def commit_step(store: Store, plan_for: Callable[[Listing], CommitPlan], world_size: int, step: int, token: str,
-                wait: Waiting) -> bytes:
+                wait: Waiting, fence: Fence | None = None) -> bytes:
     """The committer's whole part: await every record (one listing per look), build the manifest,
     commit it."""
     listing = await_records(store, step, world_size, token, wait)
     man = build_manifest(store, plan_for(listing))
-    return commit(store, man, [ref.name for ref in listing.records.values()])
+    return commit(store, man, [ref.name for ref in listing.records.values()], fence)
 
 
 def drop_record(store: Store, step: int, ref: RecordRef | None) -> None:
@@ -264,5 +294,5 @@ def drop_record(store: Store, step: int, ref: RecordRef | None) -> None:
 
 __all__ = [
     "INLINE_RECORD_BYTES", "CommitPlan", "Listing", "Waiting", "await_commit", "await_records", "build_manifest",
-    "commit", "commit_step", "drop_record", "list_step", "poll_until", "read_record", "read_records", "same_entry", "write_record",
+    "Fence", "commit", "commit_step", "drop_record", "list_step", "poll_until", "put_manifest", "read_record", "read_records", "same_entry", "write_record",
 ]

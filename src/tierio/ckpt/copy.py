@@ -14,7 +14,7 @@ from tierio.io.checksum import xxh3
 from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Store, list_sizes, read_bytes
 
-from tierio.ckpt.commit import read_record
+from tierio.ckpt.commit import Fence, put_manifest, read_record
 from tierio.ckpt.lineage import manifest_on
 from tierio.ckpt.reader import read_manifest_raw, where
 
@@ -154,9 +154,10 @@ def files_present(dst: Store, man: Manifest, sizes: dict[str, int] | None = None
     return True
 
 
-def commit_copy(dst: Store, step: int, manifest: bytes) -> None:
-    """Put the manifest (the same bytes as on the source) on ``dst``: the copy becomes a checkpoint."""
-    dst.put_buffers(manifest_key(step), [manifest])
+def commit_copy(dst: Store, step: int, manifest: bytes, fence: Fence | None = None) -> None:
+    """Put the manifest (the same bytes as on the source) on ``dst``: the copy becomes a checkpoint
+    (fenced by ``dst``'s lease when given; the bytes keep the generation of the tier that committed)."""
+    put_manifest(dst, step, manifest, fence)
 
 
 def copy_step(src: Store, dst: Store, step: int, *, limiter: TokenBucket | None = None,

@@ -1,24 +1,41 @@
-"""Tier leases: one run writes a tier at a time.
+"""Tier leases: one run writes a tier at a time, proven by compare-and-swap and a fencing token.
 
 Two managers writing one tier corrupt it (the same step numbers from two jobs, or one job's
-retention deleting the other's steps). Before its first write to a tier, rank 0 of a job takes the
-tier's lease: a small JSON object ``tierio-lease.json`` at the tier's root, created only if absent
-(``Store.create_exclusive``: ``O_EXCL`` on a filesystem, a conditional PUT on S3). It names the
-holder — run id, host, node, pid, world size, when it was taken and its last heartbeat — and is
-refreshed every ``HEARTBEAT`` seconds while the manager lives and deleted by ``close()``.
+retention deleting the other's steps). Before its first write to a tier, the tier's leader (rank 0;
+a node's lowest rank for its node-local tier) takes the tier's lease.
 
-Every rank of one job shares the lease: ranks agree on one run id (``nodes.agree_job``), and a
-rank that does not lead a tier only checks that its lease names its run before writing there.
+**Generations.** A lease is a sequence of small JSON objects ``tierio-lease/<generation>.json``;
+the newest generation is the lease. Every change of holder (a take-over, a release, a break) is the
+creation of the *next* generation with ``Store.create_exclusive`` (a link on a filesystem, a PUT
+with ``If-None-Match: *`` on S3): of any number of contenders that read generation ``g``, exactly
+one creates ``g+1``. Nothing is ever deleted-then-created, so there is no moment at which two
+takers can both win, and the generation only grows: it is the fencing token. Every manifest
+records the generation it was committed under (``GENERATION_FIELD``), and a commit is refused
+unless the writer's generation is still the newest, checked just before the manifest is written
+and again just after (a writer paused between the two retracts its manifest).
 
-A lease is *stale*, and the next writer takes it over with a warning, when its holder is provably
-dead (same node and process namespace, pid gone) or its heartbeat is older than ``EXPIRES``
-seconds. Anything else is refused with :class:`~tierio.errors.LeaseError` naming the holder;
-``tierio ckpt unlock URL`` or ``CheckpointManager(..., break_lease=True)`` break a lease whose
-holder is known to be gone.
+**Renewal.** The holder rewrites its own generation's object every ``LeaseTiming.heartbeat`` s
+with a growing beat counter. It never writes another generation's object, so a holder paused
+across a take-over (GC pause, SIGSTOP, a slow S3 call) can only rewrite its superseded generation,
+never its successor's lease; its next renewal or commit sees the newer generation and stops.
+
+**Staleness, on the taker's clock.** A taker never compares the holder's wall clock with its own:
+it watches the newest generation's bytes and takes over only when they stayed unchanged for
+``LeaseTiming.expires`` s on *its* monotonic clock (a live holder renews well within that: the
+watch ends with a refusal naming it). A holder whose last successful renewal is older than
+``expires - margin`` on its own monotonic clock stops writing (self-fencing) before anyone may take
+over. Shortcuts: a holder that is provably dead (same node and pid namespace, pid gone), a released
+or broken lease, this run's own lease (a restarted rank 0), ``break_lease`` / ``tierio ckpt
+unlock --force``, and, on a node-local tier, a free ``flock`` on ``tierio-lease.lock``: the leader
+holds it for the life of its process and the kernel drops it when the process dies.
+
+**Stores that ignore conditions.** Before its first lease on a store, a process creates a probe
+object twice: a store that lets both creations succeed would let two takers win, and is refused.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -33,17 +50,52 @@ from dataclasses import dataclass, replace
 
 from tierio.errors import ConfigError, FormatError, LeaseError, NotFoundError, StorageError
 from tierio.io.untrusted import Fields, loads
-from tierio.storage.base import Store, read_bytes
+from tierio.storage.base import Store, read_small
 
 log = logging.getLogger("tierio.ckpt")
 
-LEASE_KEY = "tierio-lease.json"
+LEASE_PREFIX = "tierio-lease/"
+NODE_LOCK = "tierio-lease.lock"  # flocked for life by a node-local tier's leader
+GENERATION_FIELD = "tierio.lease_generation"  # in a manifest's extra: the generation it was committed under
 SCHEMA = "tierio.lease"
-HEARTBEAT = 30.0  # seconds between refreshes of a held lease
-EXPIRES = 600.0  # a lease not refreshed for this long belongs to a dead or cut-off holder
-UNREADABLE_GRACE = 60.0  # an unreadable lease younger than this may still be being written
 MAX_LEASE_BYTES = 64 << 10
+MAX_GENERATION = 10**12 - 2
+_GEN_NAME = re.compile(r"(\d{12})\.json")
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
+_STATES = ("held", "released", "broken")
+
+
+@dataclass(frozen=True)
+class LeaseTiming:
+    """How often a holder renews, after how long unchanged a lease may be taken over, and how long
+    before that a holder that could not renew stops writing (seconds). ``TIERIO_LEASE_EXPIRES``
+    sets ``expires`` for every process that does not pass its own (``tierio ckpt`` tools too)."""
+
+    expires: float = 120.0
+
+    @property
+    def heartbeat(self) -> float:
+        return self.expires / 12
+
+    @property
+    def margin(self) -> float:
+        """Time left, after a holder's self-fence, for a write it already started (one manifest PUT)."""
+        return self.expires / 4
+
+    @staticmethod
+    def default() -> LeaseTiming:
+        raw = os.environ.get("TIERIO_LEASE_EXPIRES")
+        if not raw:
+            return LeaseTiming()
+        try:
+            return LeaseTiming(float(raw)).checked()
+        except ValueError:
+            raise ConfigError(f"TIERIO_LEASE_EXPIRES={raw!r} must be a number of seconds (e.g. 120)") from None
+
+    def checked(self) -> LeaseTiming:
+        if not 0.5 <= self.expires <= 86400:
+            raise ConfigError(f"a lease expiry of {self.expires!r} s is out of range; use 0.5-86400 s (default 120)")
+        return self
 
 
 def new_run_id() -> str:
@@ -77,283 +129,487 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def generation_key(generation: int) -> str:
+    return f"{LEASE_PREFIX}{generation:012d}.json"
+
+
 @dataclass(frozen=True)
 class Holder:
-    """Who holds a tier's lease (the content of the lease object)."""
+    """The content of one generation of a tier's lease: who, and in which state."""
 
     run: str
     host: str
     node: str
     pid: int
     world_size: int
-    acquired: float  # seconds since the epoch, holder's clock
-    heartbeat: float
+    generation: int = 0
+    state: str = "held"  # "released" by its holder, "broken" by an operator: free to take
+    acquired: float = 0.0  # the holder's wall clock: shown to people, never used to decide
+    renewed: float = 0.0
+    beat: int = 0  # grows with every renewal: what a watcher sees change
 
     @staticmethod
     def mine(run: str, world_size: int) -> Holder:
         now = time.time()
-        return Holder(run, socket.gethostname(), _node(), os.getpid(), world_size, now, now)
+        return Holder(run, socket.gethostname(), _node(), os.getpid(), world_size, 0, "held", now, now)
 
     def encode(self) -> bytes:
-        return json.dumps({"schema": SCHEMA, "version": 1, "run": self.run, "host": self.host, "node": self.node,
-                           "pid": self.pid, "world_size": self.world_size, "acquired": self.acquired,
-                           "heartbeat": self.heartbeat}).encode()
+        return json.dumps({"schema": SCHEMA, "version": 2, "run": self.run, "host": self.host, "node": self.node,
+                           "pid": self.pid, "world_size": self.world_size, "generation": self.generation,
+                           "state": self.state, "acquired": self.acquired, "renewed": self.renewed,
+                           "beat": self.beat}).encode()
 
     @staticmethod
-    def parse(raw: bytes, where: str) -> Holder:
+    def parse(raw: bytes, where: str, generation: int) -> Holder:
         f = Fields(loads(raw, where, limit=MAX_LEASE_BYTES), where)
         f.const("schema", SCHEMA)
-        f.const("version", 1)
+        f.const("version", 2)
         run = f.str("run", 128)
         if not _RUN_ID.fullmatch(run):
             raise FormatError(f"{where}: run id {run[:40]!r} is not a plain identifier; the lease is corrupt or hostile")
-        return Holder(run, f.str("host", 255), f.str("node", 255),
-                      f.int("pid", 0, 1 << 31), f.int("world_size", 1, 1 << 20),
-                      f.float("acquired", 0.0, 1e11), f.float("heartbeat", 0.0, 1e11))
+        state = f.str("state", 16)
+        if state not in _STATES:
+            raise FormatError(f"{where}: state {state[:20]!r} is not one of {', '.join(_STATES)}")
+        h = Holder(run, f.str("host", 255), f.str("node", 255), f.int("pid", 0, 1 << 31), f.int("world_size", 1, 1 << 20),
+                   f.int("generation", 1, MAX_GENERATION + 1), state, f.float("acquired", 0.0, 1e11),
+                   f.float("renewed", 0.0, 1e11), f.int("beat", 0, 1 << 62))
+        if h.generation != generation:
+            raise FormatError(f"{where}: it says generation {h.generation}; its name says {generation}")
+        return h
 
     def dead(self) -> bool:
         """Provably gone: on this node, in this process namespace, and its pid no longer exists."""
         return bool(self.node) and self.node == _node() and not _alive(self.pid)
 
-    def stale(self, now: float, expires: float = EXPIRES) -> str | None:
-        """Why this lease may be taken over, or None while its holder may still be writing."""
+    def hint(self, now: float, timing: LeaseTiming) -> str | None:
+        """Why this lease looks free to a person (never used to take it: see ``acquire``)."""
+        if self.state != "held":
+            return f"it was {self.state}"
         if self.dead():
             return f"its holder (pid {self.pid} on {self.host}) is no longer running"
-        if now - self.heartbeat > expires:
-            return f"its last heartbeat is {now - self.heartbeat:.0f} s old (leases expire after {expires:.0f} s)"
+        if now - self.renewed > timing.expires:
+            return f"last renewed {now - self.renewed:.0f} s ago by the holder's clock"
         return None
 
     def describe(self, now: float) -> str:
-        return (f"run {self.run} on host {self.host} (pid {self.pid}, {self.world_size} rank(s)), "
-                f"taken {max(0.0, now - self.acquired):.0f} s ago, last heartbeat {max(0.0, now - self.heartbeat):.0f} s ago")
+        return (f"run {self.run} on host {self.host} (pid {self.pid}, {self.world_size} rank(s)), generation "
+                f"{self.generation}, taken {max(0.0, now - self.acquired):.0f} s ago, last renewed "
+                f"{max(0.0, now - self.renewed):.0f} s ago by its clock")
 
 
-def _where(store: Store) -> str:
-    return f"{store.url.split('?')[0].rstrip('/')}/{LEASE_KEY}"
+@dataclass(frozen=True)
+class Seen:
+    """One look at a tier's lease: its newest generation, that object's bytes, and what they say."""
+
+    generation: int
+    raw: bytes
+    holder: Holder | None  # None: unreadable
+    problem: str | None = None
+
+    def describe(self, now: float) -> str:
+        return self.holder.describe(now) if self.holder else f"an unreadable lease, generation {self.generation} ({self.problem})"
+
+
+def _where(store: Store, key: str = LEASE_PREFIX) -> str:
+    return f"{store.url.split('?')[0].rstrip('/')}/{key}"
+
+
+def newest_generation(store: Store) -> int:
+    """The newest generation of the tier's lease (0: never leased), from one listing."""
+    newest = 0
+    for key in store.list(LEASE_PREFIX):
+        m = _GEN_NAME.fullmatch(key[len(LEASE_PREFIX):])
+        if m:
+            newest = max(newest, int(m.group(1)))
+    if newest > MAX_GENERATION:
+        raise FormatError(f"{_where(store)} has generation {newest}, beyond any real lease: it is corrupt or "
+                          f"hostile; remove the directory {LEASE_PREFIX} (no tierio run is writing the tier then)")
+    return newest
+
+
+def look(store: Store) -> Seen | None:
+    """The newest generation of the lease and what it says; None when the tier was never leased."""
+    for _ in range(8):
+        g = newest_generation(store)
+        if g == 0:
+            return None
+        key = generation_key(g)
+        try:
+            raw = read_small(store, key, MAX_LEASE_BYTES)
+        except NotFoundError:
+            continue  # cleaned up by a newer holder between the listing and the read
+        except FormatError as exc:
+            return Seen(g, b"", None, str(exc))
+        try:
+            return Seen(g, raw, Holder.parse(raw, _where(store, key), g))
+        except FormatError as exc:
+            return Seen(g, raw, None, str(exc))
+    raise StorageError(f"{_where(store)} kept changing while it was read; is something deleting lease files?")
 
 
 def read_lease(store: Store) -> Holder | None:
-    """The tier's lease holder; None when there is no lease. An unreadable lease is a FormatError."""
-    try:
-        size = store.stat(LEASE_KEY).size
-        if size > MAX_LEASE_BYTES:
-            raise FormatError(f"{_where(store)} is {size} bytes; a lease is a few hundred: it is corrupt or hostile")
-        raw = read_bytes(store, LEASE_KEY, 0, size)
-    except NotFoundError:
+    """The tier's current holder; None when the tier is free (never leased, released or broken).
+    An unreadable newest generation is a FormatError."""
+    seen = look(store)
+    if seen is None:
         return None
-    return Holder.parse(raw, _where(store))
+    if seen.holder is None:
+        raise FormatError(f"{_where(store, generation_key(seen.generation))}: {seen.problem}")
+    return seen.holder if seen.holder.state == "held" else None
 
 
-def _unreadable_age(store: Store) -> float:
-    """How long an unreadable lease has been there; infinite when it is not even a regular file
-    (a planted link: deleting it removes the link, never what it points to)."""
+_probed: set[str] = set()
+_probe_lock = threading.Lock()
+
+
+def check_conditions(store: Store) -> None:
+    """Refuse a store whose create-if-absent is not exclusive: there two takers would both win."""
+    with _probe_lock:
+        if store.url in _probed:
+            return
+    key = f"{LEASE_PREFIX}probe-{new_run_id()}"
     try:
-        return time.time() - store.stat(LEASE_KEY).mtime
-    except NotFoundError:
-        return 0.0
-    except FormatError:
-        return float("inf")
+        first = store.create_exclusive(key, b"1")
+        second = store.create_exclusive(key, b"2")
+    finally:
+        try:
+            store.delete(key)
+        except StorageError:
+            pass
+    if not first or second:
+        raise LeaseError(
+            f"{store.url} does not honour create-if-absent (If-None-Match: * on S3): creating one object twice "
+            f"{'succeeded both times' if second else 'failed the first time'}. Two jobs could then both take its lease; "
+            "use a server that honours conditional writes (AWS S3, SeaweedFS, MinIO) for checkpoint tiers")
+    with _probe_lock:
+        _probed.add(store.url)
 
 
-def _refusal(store: Store, holder: Holder) -> LeaseError:
-    now = time.time()
+def _refusal(store: Store, seen: Seen, why: str) -> LeaseError:
     return LeaseError(
-        f"{store.url} is leased by another writer: {holder.describe(now)}. Two managers writing one tier "
-        f"corrupt it; wait for that run to finish, point this run at another tier, or - only if that run is "
+        f"{store.url} is leased by another writer: {seen.describe(time.time())}; {why}. Two managers writing one "
+        f"tier corrupt it; wait for that run to finish, point this run at another tier, or - only if that run is "
         f"gone - break the lease with 'tierio ckpt unlock {store.url}' or CheckpointManager(..., break_lease=True)"
     )
 
 
-def acquire(store: Store, me: Holder, *, force: bool = False, expires: float = EXPIRES) -> Holder | None:
-    """Take the lease of ``store`` for ``me``; returns the holder whose stale lease was broken.
-
-    A lease already naming ``me.run`` is taken over (a restarted rank 0 of the same run)."""
-    broken: Holder | None = None
-    problem = "other writers keep taking it; is another job starting on this tier?"
-    for _ in range(5):
-        if store.create_exclusive(LEASE_KEY, me.encode()):
-            return broken
-        try:
-            holder = read_lease(store)
-        except FormatError as exc:
-            if _unreadable_age(store) < UNREADABLE_GRACE and not force:
-                problem = (f"its lease is unreadable ({exc}) and too recent to be debris; retry in a minute "
-                           f"or remove it with 'tierio ckpt unlock {store.url}'")
-                time.sleep(0.2)  # maybe being written right now
-                continue
-            log.warning("breaking an unreadable lease on %s: %s", store.url, exc)
-            store.delete(LEASE_KEY)
-            continue
-        if holder is None:
-            continue  # released in between
-        if holder.run == me.run:
-            store.put_buffers(LEASE_KEY, [me.encode()])
-            return None
-        why = holder.stale(time.time(), expires) or ("break_lease was requested" if force else None)
-        if why is None:
-            raise _refusal(store, holder)
-        log.warning("taking over the lease on %s from %s: %s", store.url, holder.describe(time.time()), why)
-        store.delete(LEASE_KEY)
-        broken = holder
-    raise LeaseError(f"could not take the lease on {store.url}: {problem}")
-
-
-def refresh(store: Store, me: Holder) -> str | None:
-    """Renew the heartbeat; when the lease is no longer ``me.run``'s, say who holds it now."""
-    holder = read_lease(store)
-    if holder is None:
-        return "nobody: the lease was deleted (tierio ckpt unlock?)"
-    if holder.run != me.run:
-        return holder.describe(time.time())
-    store.put_buffers(LEASE_KEY, [replace(me, heartbeat=time.time()).encode()])
+def watch(store: Store, seen: Seen, timing: LeaseTiming, deadline_s: float) -> Seen | None:
+    """Watch the newest generation for ``deadline_s`` on this process's monotonic clock: None when
+    it stayed exactly as ``seen`` throughout (its holder stopped renewing), else what it became."""
+    log.warning("%s is leased by %s; watching it for up to %.0f s: a holder that renews is alive, one that "
+                "does not has stopped writing", store.url, seen.describe(time.time()), deadline_s)
+    end = time.monotonic() + deadline_s
+    step = min(1.0, timing.heartbeat / 4)
+    while time.monotonic() < end:
+        time.sleep(min(step, max(0.0, end - time.monotonic())))
+        now = look(store)
+        if now is None or now.generation != seen.generation or now.raw != seen.raw:
+            return now if now is not None else Seen(0, b"", None, "removed")
     return None
 
 
-def release(store: Store, run: str) -> None:
-    """Delete the lease if it still names ``run``."""
-    try:
-        holder = read_lease(store)
-    except FormatError:
-        return
-    if holder is not None and holder.run == run:
-        store.delete(LEASE_KEY)
+def _take(store: Store, me: Holder, after: int) -> Holder | None:
+    """Create generation ``after + 1`` for ``me``; None when another contender created it first."""
+    now = time.time()
+    mine = replace(me, generation=after + 1, state="held", acquired=now, renewed=now, beat=0)
+    if not store.create_exclusive(generation_key(mine.generation), mine.encode()):
+        return None
+    _forget_older(store, after)
+    return mine
 
 
-def unlock(store: Store, *, force: bool = False, expires: float = EXPIRES) -> Holder | None:
-    """Break the lease of ``store`` if it is stale (or at all with ``force``); returns the holder removed."""
-    try:
-        holder = read_lease(store)
-    except FormatError:
-        store.delete(LEASE_KEY)
+def _forget_older(store: Store, keep_from: int) -> None:
+    """Remove generations before ``keep_from`` (the one just superseded stays, as the record of
+    whom the lease came from). Only ever called by the creator of a newer generation."""
+    for key in store.list(LEASE_PREFIX):
+        m = _GEN_NAME.fullmatch(key[len(LEASE_PREFIX):])
+        if m and int(m.group(1)) < keep_from:
+            try:
+                store.delete(key)
+            except StorageError as exc:
+                log.debug("could not remove the old lease generation %s: %s", key, exc)
+
+
+def acquire(store: Store, me: Holder, *, force: bool = False, timing: LeaseTiming | None = None,
+            proven_free: str | None = None) -> Holder:
+    """Take the lease of ``store`` for ``me``; returns ``me`` with its generation.
+
+    ``proven_free`` says why the current holder cannot be writing any more (a free node lock)."""
+    timing = timing or LeaseTiming.default()
+    check_conditions(store)
+    for _ in range(16):
+        seen = look(store)
+        if seen is None:
+            got = _take(store, me, 0)
+        else:
+            h = seen.holder
+            why = ("it is free" if h is not None and h.state != "held" else
+                   "it is this run's own (a restarted leader)" if h is not None and h.run == me.run else
+                   "break_lease was requested" if force else
+                   proven_free or (h.hint(time.time(), timing) if h is not None and h.dead() else None))
+            if why is None:
+                after = watch(store, seen, timing, timing.expires)
+                if after is not None and after.generation == seen.generation:
+                    raise _refusal(store, after, "it renewed its lease while this run watched it, so it is alive")
+                if after is not None:
+                    continue  # someone else took it or released it meanwhile: look again
+                why = f"it stayed unchanged for {timing.expires:.0f} s on this node's clock"
+            if h is not None and h.state == "held" and h.run != me.run:
+                log.warning("taking over the lease on %s from %s: %s", store.url, seen.describe(time.time()), why)
+            got = _take(store, me, seen.generation)
+        if got is not None:
+            return got
+        proven_free = None  # a fresh holder won the race: it is not the one that was proven gone
+    raise LeaseError(f"could not take the lease on {store.url}: other writers keep taking it; is another job "
+                     "starting on this tier?")
+
+
+def renew(store: Store, me: Holder) -> tuple[Holder, str | None]:
+    """Rewrite this holder's own generation with the next beat; the holder, and who holds the tier
+    now when a newer generation exists (then nothing was written)."""
+    g = newest_generation(store)
+    if g != me.generation:
+        seen = look(store)
+        return me, "nobody (the lease was removed)" if seen is None else seen.describe(time.time())
+    mine = replace(me, renewed=time.time(), beat=me.beat + 1)
+    store.put_buffers(generation_key(me.generation), [mine.encode()])
+    return mine, None
+
+
+def release(store: Store, me: Holder, state: str = "released") -> bool:
+    """End ``me``'s lease by creating the next generation, free to take (only if ``me`` still holds
+    it: a superseded holder changes nothing)."""
+    if newest_generation(store) != me.generation:
+        return False
+    freed = replace(me, generation=me.generation + 1, state=state, renewed=time.time())
+    if not store.create_exclusive(generation_key(freed.generation), freed.encode()):
+        return False
+    _forget_older(store, me.generation)
+    return True
+
+
+def unlock(store: Store, *, force: bool = False, timing: LeaseTiming | None = None) -> Holder | None:
+    """Break the lease of ``store`` when its holder is gone: provably dead, or unchanged for
+    ``timing.expires`` s while this call watches (at once with ``force``). Returns the holder removed."""
+    timing = timing or LeaseTiming.default()
+    check_conditions(store)
+    seen = look(store)
+    if seen is None or (seen.holder is not None and seen.holder.state != "held"):
         return None
-    if holder is None:
-        return None
-    if not force and holder.stale(time.time(), expires) is None:
-        raise LeaseError(
-            f"the lease on {store.url} looks alive: {holder.describe(time.time())}; stop that run first, or pass "
-            "--force if you know it is gone (its heartbeat stops when its process dies)"
-        )
-    store.delete(LEASE_KEY)
-    return holder
+    h = seen.holder
+    if not force and not (h is not None and h.dead()):
+        after = watch(store, seen, timing, timing.expires)
+        if after is not None:
+            raise LeaseError(
+                f"the lease on {store.url} looks alive: {after.describe(time.time())} changed while this command "
+                f"watched it; stop that run first, or pass --force if you know it is gone")
+    breaker = replace(Holder.mine(f"unlock-{new_run_id()}", 1), generation=seen.generation)
+    if not release(store, breaker, "broken"):
+        raise LeaseError(f"the lease on {store.url} changed while it was being broken; look again (tierio ckpt ls)")
+    return h or Holder("unreadable", "?", "", 0, 1, seen.generation)
 
 
 @contextmanager
 def tool_lease(store: Store, *, force: bool = False) -> Iterator[Holder]:
-    """The lease of ``store`` for a one-off writer (``tierio ckpt gc``, ``promote``), held while it runs."""
+    """The lease of ``store`` for a one-off writer (``tierio ckpt gc``, ``promote``), held while it runs.
+    A tool never waits out another writer's lease: a holder that is not provably gone is refused."""
     me = Holder.mine(f"tool-{new_run_id()}", 1)
-    acquire(store, me, force=force)
+    seen = look(store)
+    if seen is not None and seen.holder is not None and seen.holder.state == "held" and not force \
+            and not seen.holder.dead():
+        raise _refusal(store, seen, "this tool does not wait for a live-looking lease")
+    if seen is not None and seen.holder is None and not force:
+        raise _refusal(store, seen, "its lease is unreadable; 'tierio ckpt unlock' breaks it once its holder is gone")
+    held = acquire(store, me, force=force)
     try:
-        yield me
+        yield held
     finally:
-        release(store, me.run)
+        release(store, held)
+
+
+def lock_node_tier(root: str) -> int | None:
+    """flock the node-local tier's lock file for this process's life: the descriptor, or None when
+    another live process on this node holds it."""
+    from tierio.io.paths import open_dir_beneath
+
+    dfd = open_dir_beneath(root, [], create=True)
+    try:
+        fd = os.open(NODE_LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
+                     0o644, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 class TierLeases:
-    """The leases one manager holds (rank 0) or has checked (other ranks), and their heartbeat."""
+    """The leases one manager holds (a tier's leader) or has checked (the other ranks), their
+    renewal thread, and the fence every commit and every retention pass goes through."""
 
     def __init__(self, run: str | None, rank: int, world_size: int, *, force: bool = False,
-                 wait_timeout: float = 600.0) -> None:
+                 wait_timeout: float = 600.0, timing: LeaseTiming | None = None) -> None:
         self.run = run
         self.rank = rank
         self.world_size = world_size
         self.force = force
         self.wait_timeout = wait_timeout
-        self._me: Holder | None = None
+        self.timing = (timing or LeaseTiming.default()).checked()
         self._ok: dict[str, Store] = {}  # url -> store: held (its leader) or checked (other ranks)
-        self._held: set[str] = set()  # the urls this rank leads
-        self._lost: dict[str, str] = {}  # url -> who holds its lease now
+        self._mine: dict[str, Holder] = {}  # url -> this rank's generation there (held tiers)
+        self._renewed: dict[str, float] = {}  # url -> monotonic time of the last successful renewal
+        self._locks: dict[str, int] = {}  # url -> flocked node-tier lock file
+        self._lost: dict[str, str] = {}  # url -> why this run no longer writes there
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def ensure(self, store: Store, leader: bool | None = None) -> None:
-        """Before writing to ``store``: hold its lease (its leader: rank 0, or the lowest rank of a
-        node for a node-local tier) or check that it names this run (the other ranks)."""
+    def ensure(self, store: Store, leader: bool | None = None, node_local: bool = False) -> None:
+        """Before writing to ``store``: hold its lease (its leader) or check that it names this run
+        (the other ranks). Raises LeaseError once this run lost the tier or could not renew in time."""
         leader = self.rank == 0 if leader is None else leader
         with self._lock:
-            lost = self._lost.get(store.url)
-            if lost is not None:
-                raise LeaseError(f"this run's lease on {store.url} was taken over; it is now held by {lost}; "
-                                 "this manager no longer writes there")
             if store.url in self._ok:
+                self._check_locked(store.url)
                 return
-        if leader:
-            assert self.run is not None
-            me = Holder.mine(self.run, self.world_size)
-            acquire(store, me, force=self.force)
-            with self._lock:
-                self._me = me
-                self._ok[store.url] = store
-                self._held.add(store.url)
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._beat, name="tierio-ckpt-lease", daemon=True)
-                    self._thread.start()
-        else:
+        if self.run is None:
+            # A guess (any live lease of a job of this size) could join another job's lease.
+            raise ConfigError(
+                f"rank {self.rank} of {self.world_size} has no process group to agree on a run id with, so it cannot "
+                f"tell its job's lease of {store.url} from another job's; pass the same run_id= to every rank (e.g. the "
+                "scheduler's job id), or initialise torch.distributed before the CheckpointManager")
+        if not leader:
             self._join(store)
             with self._lock:
                 self._ok[store.url] = store
+            return
+        proven = None
+        if node_local and hasattr(store, "root"):
+            fd = lock_node_tier(str(store.root))
+            if fd is None:
+                raise LeaseError(f"another process on this node holds {store.url} (its {NODE_LOCK} is locked): "
+                                 f"{self._who(store)}; two jobs must not share a node-local tier")
+            with self._lock:
+                self._locks[store.url] = fd
+            proven = f"its {NODE_LOCK} was free, so no process on this node holds it"
+        held = acquire(store, Holder.mine(self.run, self.world_size), force=self.force, timing=self.timing,
+                       proven_free=proven)
+        started = time.monotonic()  # the self-fence counts from a renewal, not from before a watch
+        held, other = renew(store, held)
+        if other is not None:
+            raise LeaseError(f"the lease on {store.url} was taken over right after this run took it; it is now held "
+                             f"by {other}; is another job starting on this tier?")
+        with self._lock:
+            self._mine[store.url] = held
+            self._renewed[store.url] = started
+            self._ok[store.url] = store
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._beat, name="tierio-ckpt-lease", daemon=True)
+                self._thread.start()
+
+    @staticmethod
+    def _who(store: Store) -> str:
+        try:
+            seen = look(store)
+        except (StorageError, FormatError) as exc:
+            return f"its lease could not be read ({exc})"
+        return "its lease: " + (seen.describe(time.time()) if seen else "none")
+
+    def _check_locked(self, url: str) -> None:
+        lost = self._lost.get(url)
+        if lost is not None:
+            raise LeaseError(f"this run no longer writes {url}: {lost}")
+        last = self._renewed.get(url)
+        if last is not None and time.monotonic() - last > self.timing.expires - self.timing.margin:
+            why = (f"its lease has not been renewed for {time.monotonic() - last:.0f} s (the store did not answer); "
+                   f"another run may take the tier over after {self.timing.expires:.0f} s, so this run stopped "
+                   "writing there (self-fenced). Restart the job once the store is reachable")
+            self._lost[url] = why
+            raise LeaseError(f"this run no longer writes {url}: {why}")
+
+    def fence(self, store: Store) -> int:
+        """Right before a commit or a retention pass on ``store`` by its leader: the generation this
+        run holds there, once one listing shows it is still the newest; LeaseError otherwise."""
+        with self._lock:
+            self._check_locked(store.url)
+            mine = self._mine.get(store.url)
+        if mine is None:
+            return 0  # not this rank's to lead: it writes only what its leader commits
+        newest = newest_generation(store)
+        if newest != mine.generation:
+            why = (f"its lease was taken over (this run holds generation {mine.generation}, the tier is at "
+                   f"{newest}: {self._who(store)})")
+            with self._lock:
+                self._lost[store.url] = why
+            raise LeaseError(f"this run no longer writes {store.url}: {why}; nothing it commits there now counts")
+        with self._lock:
+            self._check_locked(store.url)  # the listing may have taken long
+        return mine.generation
 
     def status(self) -> dict[str, str]:
-        """Per tier url: "held" (rank 0), "joined" (other ranks) or why this run lost it."""
+        """Per tier url: "held" (its leader), "joined" (other ranks) or why this run lost it."""
         with self._lock:
-            out = {url: ("held" if url in self._held else "joined") for url in self._ok}
-            out.update({url: f"lost: now held by {who}" for url, who in self._lost.items()})
+            out = {url: ("held" if url in self._mine else "joined") for url in self._ok}
+            out.update({url: f"lost: {why}" for url, why in self._lost.items()})
             return out
 
     def _join(self, store: Store) -> None:
-        """A non-zero rank waits for rank 0's lease: the same run id, or, when ranks could not agree
-        on one (no process group, no run_id), a live lease of a job of the same size, whose run it adopts."""
+        """A rank that does not lead the tier waits for its leader's lease naming this run."""
         deadline = time.monotonic() + self.wait_timeout
-        holder: Holder | None = None
+        seen: Seen | None = None
         while time.monotonic() < deadline:
             try:
-                holder = read_lease(store)
-            except FormatError:
-                holder = None
-            if holder is not None:
-                if self.run is not None and holder.run == self.run:
-                    return
-                if self.run is None and holder.world_size == self.world_size and holder.stale(time.time()) is None:
-                    self.run = holder.run
-                    return
+                seen = look(store)
+            except (StorageError, FormatError):
+                seen = None
+            if seen is not None and seen.holder is not None and seen.holder.state == "held" \
+                    and seen.holder.run == self.run:
+                return
             time.sleep(0.05)
-        now = time.time()
         raise LeaseError(
-            f"rank {self.rank} waited {self.wait_timeout:.0f} s for rank 0 of run {self.run or '(unknown)'} to lease "
-            f"{store.url}, but " + (f"it is leased by {holder.describe(now)}" if holder else "nobody leased it")
-            + "; did rank 0 fail, or is another job using this tier?"
+            f"rank {self.rank} waited {self.wait_timeout:.0f} s for its leader to lease {store.url} for run "
+            f"{self.run}, but " + (f"it is leased by {seen.describe(time.time())}" if seen else "nobody leased it")
+            + "; did the leader fail, or is another job using this tier?"
         )
 
     def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT):
+        while not self._stop.wait(self.timing.heartbeat):
             with self._lock:
-                held = [s for url, s in self._ok.items() if url in self._held]
-                me = self._me
-            for store in held:
-                if me is None or store.url in self._lost or self._stop.is_set():
-                    continue
+                todo = [(self._ok[url], h) for url, h in self._mine.items() if url not in self._lost]
+            for store, me in todo:
+                if self._stop.is_set():
+                    return
+                started = time.monotonic()  # the self-fence counts from before the write could land
                 try:
-                    other = refresh(store, me)
-                except (StorageError, FormatError) as exc:  # an outage: try again at the next beat
+                    mine, other = renew(store, me)
+                except Exception as exc:  # any failure is a missed beat; the fence counts the time
                     log.warning("could not renew the lease on %s: %s", store.url, exc)
                     continue
-                if other is not None:
-                    log.error("the lease on %s was taken over; it is now held by %s", store.url, other)
-                    with self._lock:
-                        self._lost[store.url] = other
+                with self._lock:
+                    if other is not None:
+                        log.error("the lease on %s was taken over; it is now held by %s", store.url, other)
+                        self._lost[store.url] = f"its lease was taken over; it is now held by {other}"
+                    else:
+                        self._mine[store.url] = mine
+                        self._renewed[store.url] = started
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()  # a renewal in flight must not rewrite a lease after its release
-        if self.run is None:
-            return
         with self._lock:
-            held = [s for url, s in self._ok.items() if url in self._held and url not in self._lost]
+            held = [(self._ok[url], h) for url, h in self._mine.items() if url not in self._lost]
+            locks = list(self._locks.values())
             self._ok.clear()
-            self._held.clear()
-        for store in held:
+            self._mine.clear()
+            self._locks.clear()
+        for store, me in held:
             try:
-                release(store, self.run)
+                release(store, me)
             except StorageError as exc:
                 log.warning("could not release the lease on %s (it expires by itself): %s", store.url, exc)
+        for fd in locks:
+            os.close(fd)  # after the release: a successor on this node finds the lease free, not just the lock

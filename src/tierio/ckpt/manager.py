@@ -55,7 +55,7 @@ from tierio.ckpt.fill import fill_after_restore
 from tierio.ckpt.interval import IntervalPlan, check_mtbf, measured_cost, optimal_interval, save_due
 from tierio.ckpt.gc import TEMP_GRACE, GcOptions, GcTier, collect
 from tierio.ckpt.incremental import Base, diff
-from tierio.ckpt.lease import TierLeases
+from tierio.ckpt.lease import LeaseTiming, TierLeases
 from tierio.ckpt.lineage import Lineage, Rollback
 from tierio.ckpt.buddy import Buddy, agree as agree_node_copies
 from tierio.ckpt.nodes import agree_job, gather, group_joined
@@ -104,8 +104,9 @@ class CheckpointManager:
         job = agree_job(opts.run_id, self.rank, self.world_size, process_group, from_group, opts.node,
                         any(t.node_local for t in specs), opts.ranks_per_node)
         self._group = group_joined(process_group, from_group) if self.world_size > 1 else None
+        timing = LeaseTiming(opts.lease_expires) if opts.lease_expires is not None else None
         self._leases = TierLeases(job.run_id, self.rank, self.world_size, force=opts.break_lease,
-                                  wait_timeout=opts.commit_timeout)
+                                  wait_timeout=opts.commit_timeout, timing=timing)
         self._cluster = Cluster(self.rank, self.world_size, job.node, self._leases, Waiting(opts.commit_timeout),
                                 self.limiter, copy_pool(), opts.inline_records)
         self._buddy = self._setup_buddy(rate) if opts.buddy else None
@@ -163,7 +164,7 @@ class CheckpointManager:
 
     @property
     def run_id(self) -> str | None:
-        """This run's id (on a non-zero rank without a process group: None until rank 0's lease is read)."""
+        """This run's id: agreed by the ranks (process group, ``run_id``, or the launcher's job id)."""
         return self._leases.run
 
     @property
@@ -378,7 +379,8 @@ class CheckpointManager:
         plan = CommitPlan(step, self.world_size, {r: p.record for r, p in parts.items() if p.record is not None},
                           {r: p.entry.bytes for r, p in parts.items()}, lineage.extra(),
                           {r: p.entry for r, p in parts.items()}, tree, self.options.inline_records)
-        commit(store, build_manifest(store, plan), [p.record.name for p in parts.values() if p.record is not None])
+        commit(store, build_manifest(store, plan), [p.record.name for p in parts.values() if p.record is not None],
+               self._cluster.fence(store))
 
     def track(self, step: int, own: Own) -> SaveHandle:
         """After ``write_now``: wait for the commit of ``step`` and promote this rank's part of it,
@@ -760,6 +762,7 @@ class CheckpointManager:
                 continue
             try:
                 self._cluster.ensure(ts)
+                self._cluster.fence(ts.store)()  # it deletes there
                 rollback.retire_manifests(ts.store)
             except (StorageError, FormatError) as exc:
                 if ts is first_shared:
@@ -895,6 +898,7 @@ class CheckpointManager:
                 if writable:
                     try:
                         self._cluster.ensure(ts)
+                        self._cluster.fence(ts.store)()  # retention deletes there
                     except (LeaseError, StorageError, FormatError) as exc:
                         log.warning("not cleaning %s: %s", ts.url, exc)
                         writable = False

@@ -37,7 +37,7 @@ class NodeLayout:
 class Job:
     """What the ranks agreed on at construction."""
 
-    run_id: str | None  # None: a non-zero rank without a process group (it adopts rank 0's lease)
+    run_id: str | None  # None: a non-zero rank that could not learn its run's id (it cannot write)
     node: NodeLayout
 
 
@@ -80,6 +80,10 @@ def agree_job(run_id: str | None, rank: int, world_size: int, group: Any, from_g
 
         joined = dist.is_available() and dist.is_initialized()
     if not joined:
+        if world_size > 1 and run_id is None:
+            # Ranks that cannot talk still need one run id; without the launcher's, the other ranks
+            # have none and are refused at their first write (TierLeases), never guess one.
+            mine = launcher_run_id() or mine
         layout = _in_blocks(rank, world_size, node, per_node) if need_nodes else NodeLayout(node_name(node), tuple(range(world_size)))
         return Job(mine, layout)
     import torch.distributed as dist
@@ -89,6 +93,19 @@ def agree_job(run_id: str | None, rank: int, world_size: int, group: Any, from_g
     run = run_id if run_id is not None else check_run_id(gathered[0][0])
     here = gathered[rank][1]
     return Job(run, NodeLayout(here or node_name(node), tuple(r for r, (_, n) in enumerate(gathered) if n == here)))
+
+
+def launcher_run_id() -> str | None:
+    """One id for every rank of this launch, from the launcher: torchrun's run id and restart
+    count, or Slurm's job, step and restart count (a restarted or requeued job is a new run)."""
+    env = os.environ
+    if env.get("TORCHELASTIC_RUN_ID"):
+        raw = f"{env['TORCHELASTIC_RUN_ID']}-r{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    elif env.get("SLURM_JOB_ID"):
+        raw = f"slurm-{env['SLURM_JOB_ID']}-{env.get('SLURM_STEP_ID', '0')}-r{env.get('SLURM_RESTART_COUNT', '0')}"
+    else:
+        return None
+    return check_run_id("".join(c if c.isalnum() or c in "_.-" else "_" for c in raw)[:128])
 
 
 def gather(value: Any, group: Any, world_size: int) -> list[Any]:

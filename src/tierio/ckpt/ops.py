@@ -145,8 +145,9 @@ def gc(url: str | Path | Store, retention: Retention | str, *, min_keep: int = 3
 
 
 def unlock(url: str | Path | Store, *, force: bool = False) -> Holder | None:
-    """Break the tier's lease when its holder is gone (dead process on this node, or no heartbeat
-    for ``lease.EXPIRES`` s); ``force`` breaks any lease. Returns the holder removed, if any."""
+    """Break the tier's lease when its holder is gone: a dead process on this node, or a lease that
+    stays unchanged while this call watches it for the lease expiry (``TIERIO_LEASE_EXPIRES``,
+    default 120 s); ``force`` breaks any lease at once. Returns the holder removed, if any."""
     return unlock_lease(_store(url), force=force)
 
 

@@ -19,7 +19,8 @@ class CheckpointOptions:
     writes to slower tiers (bytes/s or text); ``min_keep``: checkpoints retention always leaves;
     ``commit_timeout``: seconds a commit waits for every rank's shard; ``run_id``: this run's name in
     leases and manifests (default: a fresh one, agreed across ranks); ``break_lease``: take over a
-    tier another run still leases; ``node``: this rank's node, for node-local tiers (default: the
+    tier another run still leases; ``lease_expires``: seconds a tier's lease may stay unrenewed before
+    another run takes it over (default 120, or ``TIERIO_LEASE_EXPIRES``; ``ckpt.lease``); ``node``: this rank's node, for node-local tiers (default: the
     host name; with a process group, ranks naming the same node share it); ``ranks_per_node``:
     without a process group, ranks sit on nodes in blocks of this many (default: torchrun's
     LOCAL_WORLD_SIZE, else one node); ``inline_records``: rank records up to this many bytes
@@ -43,6 +44,7 @@ class CheckpointOptions:
     commit_timeout: float = 600.0
     run_id: str | None = None
     break_lease: bool = False
+    lease_expires: float | None = None
     node: str | None = None
     ranks_per_node: int | None = None
     inline_records: int = INLINE_RECORD_BYTES

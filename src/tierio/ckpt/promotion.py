@@ -28,7 +28,7 @@ from tierio.io.checksum import xxh3
 from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Store, list_sizes
 
-from tierio.ckpt.commit import CommitPlan, Waiting, await_commit, build_manifest, commit, commit_step, poll_until, write_record
+from tierio.ckpt.commit import CommitPlan, Fence, Waiting, await_commit, build_manifest, commit, commit_step, poll_until, write_record
 from tierio.ckpt.copy import CopyStats, commit_copy, copy_rank, copy_shard, files_present
 from tierio.ckpt.lease import TierLeases
 from tierio.ckpt.lineage import Lineage, Rollback, manifest_on
@@ -57,7 +57,11 @@ class Cluster:
         return self.rank == self.node.leader if ts.node_local else self.rank == 0
 
     def ensure(self, ts: TierState) -> None:
-        self.leases.ensure(ts.store, self.leads(ts))
+        self.leases.ensure(ts.store, self.leads(ts), ts.node_local)
+
+    def fence(self, store: Store) -> Fence:
+        """The lease check of this rank's commits and deletions on ``store`` (``TierLeases.fence``)."""
+        return lambda: self.leases.fence(store)
 
 
 @dataclass(frozen=True)
@@ -75,11 +79,11 @@ def commit_on(cl: Cluster, store: Store, step: int, own: Own, lineage: Lineage) 
         return
     extra = lineage.extra()
     if cl.world_size == 1 and own.record is None:
-        commit(store, build_manifest(store, CommitPlan(step, 1, {}, {}, extra, {0: own.entry})), [])
+        commit(store, build_manifest(store, CommitPlan(step, 1, {}, {}, extra, {0: own.entry})), [], cl.fence(store))
         return
     commit_step(store, lambda listing: CommitPlan.from_listing(listing, step, cl.world_size, extra, {0: own.entry},
                                                              cl.inline_records),
-                cl.world_size, step, lineage.token, cl.wait)
+                cl.world_size, step, lineage.token, cl.wait, cl.fence(store))
 
 
 def publish(cl: Cluster, node: TierState, shared: TierState, step: int, own: Own, lineage: Lineage,
@@ -106,6 +110,7 @@ def promote_step(cl: Cluster, tiers: list[TierState], step: int, rollback: Rollb
             continue  # already there: the same checkpoint, byte for byte
         cl.ensure(dst)
         if cl.rank == 0:
+            cl.fence(dst.store)()  # it deletes there
             clear_destination(dst.store, step, rollback, there is not None)
         account(dst, copy_own(cl, tiers, src, dst, man))
         commit_copy_on(cl, dst.store, raw, man)
@@ -145,7 +150,7 @@ def commit_copy_on(cl: Cluster, dst: Store, raw: bytes, man: Manifest) -> None:
     if cl.world_size == 1:
         if not files_present(dst, man):
             raise NotFoundError(f"after copying step {step} to {dst.url}, some of its files are missing there; not committing")
-        commit_copy(dst, step, raw)
+        commit_copy(dst, step, raw, cl.fence(dst))
         return
     token = xxh3(raw)[:8]
     mine = fragment_key(step, cl.rank, token)
@@ -161,7 +166,7 @@ def commit_copy_on(cl: Cluster, dst: Store, raw: bytes, man: Manifest) -> None:
         return all(k in sizes for k in keys) and files_present(dst, man, sizes)
 
     poll_until(ready, lambda: f"every rank's files of step {step} on {dst.url}", cl.wait)
-    commit_copy(dst, step, raw)
+    commit_copy(dst, step, raw, cl.fence(dst))
     for key in keys:
         try:
             dst.delete(key)

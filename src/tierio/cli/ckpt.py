@@ -93,10 +93,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.set_defaults(handler=cmd_export)
 
     a = action("unlock", "break a tier's write lease whose run is gone",
-               "tierio ckpt unlock /lustre/run1")
+               "tierio ckpt unlock /lustre/run1\n\n"
+               "A holder that is not provably dead (a process gone on this node) is watched for the lease\n"
+               "expiry (TIERIO_LEASE_EXPIRES, default 120 s): a lease that stays unchanged is broken, one\n"
+               "that is renewed meanwhile belongs to a live run and is left alone.")
     a.add_argument("url", metavar="URL")
     a.add_argument("--force", action="store_true",
-                   help="break the lease even if its holder looks alive (only when you know it is gone)")
+                   help="break the lease at once, even if its holder looks alive (only when you know it is gone)")
     a.set_defaults(handler=cmd_unlock)
 
 
@@ -194,7 +197,7 @@ def _lease(store: Any) -> dict[str, Any] | None:
     """Who leases the tier (a run writing it), as ls shows it."""
     import time
 
-    from tierio.ckpt.lease import read_lease
+    from tierio.ckpt.lease import LeaseTiming, read_lease
     from tierio.errors import FormatError
 
     try:
@@ -205,7 +208,8 @@ def _lease(store: Any) -> dict[str, Any] | None:
         return None
     now = time.time()
     return {"holder": holder.describe(now), "run": holder.run, "host": holder.host, "pid": holder.pid,
-            "heartbeat_age_s": round(now - holder.heartbeat, 1), "stale": holder.stale(now)}
+            "generation": holder.generation, "renewed_age_s": round(now - holder.renewed, 1),
+            "stale": holder.hint(now, LeaseTiming.default())}
 
 
 # -- inspect -------------------------------------------------------------------------------------

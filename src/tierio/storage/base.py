@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from tierio.errors import NotFoundError
+from tierio.errors import FormatError, NotFoundError
 from tierio.io.paths import key_parts
 
 Buffer = bytes | bytearray | memoryview
@@ -111,6 +111,19 @@ def list_sizes(store: Store, prefix: str = "") -> dict[str, int]:
         except NotFoundError:  # deleted since the listing
             continue
     return out
+
+
+def read_small(store: Store, key: str, limit: int) -> bytes:
+    """A whole small object (a lease, a marker) in one request where the store can (LocalStore,
+    S3Store), so a replacement between a size look-up and the read cannot tear it; an object larger
+    than ``limit`` is a FormatError."""
+    fn = getattr(store, "read_small", None)
+    if fn is not None:
+        return fn(key, limit)
+    size = store.stat(key).size
+    if size > limit:
+        raise FormatError(f"{store.url.split('?')[0].rstrip('/')}/{key} is larger than {limit} bytes; it is corrupt or hostile")
+    return read_bytes(store, key, 0, size)
 
 
 def read_bytes(store: Store, key: str, offset: int = 0, length: int | None = None) -> bytes:

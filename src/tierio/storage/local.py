@@ -301,3 +301,17 @@ class LocalStore:
 
     def close(self) -> None:
         pass
+
+    def read_small(self, key: str, limit: int) -> bytes:
+        """The whole of a small object in one open and read (no stat before it that a replacement
+        could outdate); an object larger than ``limit`` is a FormatError."""
+        fd, _ = self.open(key)
+        try:
+            data = os.pread(fd, limit + 1, 0)
+        except OSError as exc:
+            raise os_error(exc, self.root / key, "reading") from exc
+        finally:
+            os.close(fd)
+        if len(data) > limit:
+            raise FormatError(f"{self.root / key} is larger than {limit} bytes; it is corrupt or hostile")
+        return data
