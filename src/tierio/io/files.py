@@ -69,6 +69,7 @@ __all__ = ["DEFAULT_CHUNK", "DEFAULT_DEPTH", "FileWriter", "bounce_pool", "copy_
            "map_readonly", "open_file", "os_error", "pread_full", "pwrite_all", "read_file", "read_into", "write_file"]
 
 _warned_dirs: set[str] = set()
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def bounce_pool() -> BufferPool:
@@ -95,20 +96,28 @@ def _note_fallback(path: str | Path, why: str) -> None:
         log.warning("O_DIRECT not supported under %s (%s); using buffered I/O there", d, why)
 
 
-def open_file(path: str | Path, write: bool, direct: bool) -> tuple[int, bool]:
-    """Open for writing (create/truncate) or reading, with O_DIRECT when asked and allowed."""
+def open_file(path: str | Path, write: bool, direct: bool, *, dir_fd: int | None = None) -> tuple[int, bool]:
+    """Open for writing (create/truncate) or reading, with O_DIRECT when asked and allowed.
+
+    ``dir_fd``: open ``path``'s last component in that directory instead of walking the path, and
+    (writes) create it exclusively without following a link: a temp file made this way cannot be
+    redirected by a directory or a name swapped for a symlink after the caller checked them."""
     flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY
     flags |= getattr(os, "O_CLOEXEC", 0)
+    target: str | Path = path
+    if dir_fd is not None:
+        target = Path(path).name
+        flags |= _NOFOLLOW | (os.O_EXCL if write else 0)
     doing = "creating" if write else "opening"
     if direct and hasattr(os, "O_DIRECT"):
         try:
-            return os.open(path, flags | os.O_DIRECT, 0o644), True
+            return os.open(target, flags | os.O_DIRECT, 0o644, dir_fd=dir_fd), True
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise os_error(exc, path, doing) from exc
             _note_fallback(path, "EINVAL on open")
     try:
-        return os.open(path, flags, 0o644), False
+        return os.open(target, flags, 0o644, dir_fd=dir_fd), False
     except OSError as exc:
         raise os_error(exc, path, doing) from exc
 
@@ -124,11 +133,12 @@ def hold_write_lock(fd: int) -> None:
         pass
 
 
-def writer_gone(path: str | Path) -> bool:
+def writer_gone(path: str | Path, *, dir_fd: int | None = None) -> bool:
     """True for a regular file (not a link) whose writer's lock (``hold_write_lock``) nobody holds:
-    the process that wrote it died or finished, so a temp file under that name is garbage."""
+    the process that wrote it died or finished, so a temp file under that name is garbage.
+    ``dir_fd``: ``path`` is a name in that directory (a walk through directory descriptors)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0), dir_fd=dir_fd)
     except OSError:
         return False
     try:
@@ -195,12 +205,14 @@ class FileWriter:
         chunk_size: int = DEFAULT_CHUNK,
         depth: int = DEFAULT_DEPTH,
         limiter: TokenBucket | None = None,
+        dir_fd: int | None = None,
     ) -> None:
         self.path = Path(path)
         self.chunk_size = align_up(chunk_size)
         self.depth = max(1, depth)
         self.limiter = limiter
-        self.fd, self.direct = open_file(self.path, write=True, direct=direct)
+        self.dir_fd = dir_fd  # given: the file is path.name in it, made exclusively (see open_file)
+        self.fd, self.direct = open_file(self.path, write=True, direct=direct, dir_fd=dir_fd)
         hold_write_lock(self.fd)
         self._offset = 0  # bytes submitted so far (file offset of the bounce buffer's start)
         self._bounce: HostBuffer | None = None
@@ -311,7 +323,10 @@ class FileWriter:
         """Stop, close and remove the file (used when a write fails half way)."""
         self._abort_quietly()
         try:
-            os.unlink(self.path)
+            if self.dir_fd is not None:
+                os.unlink(self.path.name, dir_fd=self.dir_fd)
+            else:
+                os.unlink(self.path)
         except FileNotFoundError:
             pass
 
@@ -486,18 +501,20 @@ def copy_file(
     limiter: TokenBucket | None = None,
     on_chunk: Callable[[int, memoryview], None] | None = None,
     src_fd: int | None = None,
+    dst_dir_fd: int | None = None,
 ) -> IOStats:
     """Copy ``src`` to ``dst`` (not atomic) with parallel aligned chunks; fsyncs ``dst``.
 
     ``on_chunk(offset, bytes)`` sees every chunk in memory (for checksums) before it is written.
     ``src_fd``: an open descriptor of ``src`` to read instead of opening the path (left open).
+    ``dst_dir_fd``: create ``dst``'s name exclusively in that directory (see ``open_file``).
     """
     t0 = time.perf_counter()
     own_src = src_fd is None
     if own_src:
         src_fd, _ = open_file(src, write=False, direct=direct)
     try:
-        dst_fd, dst_direct = open_file(dst, write=True, direct=direct)
+        dst_fd, dst_direct = open_file(dst, write=True, direct=direct, dir_fd=dst_dir_fd)
         hold_write_lock(dst_fd)
         try:
             size = os.fstat(src_fd).st_size

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierio.errors import ConfigError
 from tierio.units import MiB
+
+SECRET_ENV = "TIERIO_KV_SECRET"  # the deployment's shared-tier secret when the config names none
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,11 @@ class KVConfig:
     blocks for other nodes. ``admit_uses``: a block leaving DRAM is written to NVMe only once it has
     been used (stored or read) this many times, counting earlier lives in the cache; 1 writes every
     block down. ``depth``: reads and writes in flight. ``io_timeout_s``: the longest any call waits
-    for another thread's transfer before counting a miss."""
+    for another thread's transfer before counting a miss.
+    ``shared_secret``: a per-deployment secret (None: ``$TIERIO_KV_SECRET`` when set); every block
+    written to the shared store then carries a keyed MAC of its header and bytes, and a block read
+    back without a valid one is a miss (counted in ``unauthenticated``), so whoever can write the
+    bucket but lacks the secret cannot serve other nodes wrong KV."""
 
     dram_bytes: int = 1 << 30
     nvme_dir: str | Path | None = None
@@ -54,6 +61,12 @@ class KVConfig:
     fetch_latency_s: float = 200e-6
     device_bytes: int = 0
     device: str | None = None
+    shared_secret: str | bytes | None = field(default=None, repr=False)
+
+    def secret(self) -> bytes | None:
+        """The shared-tier MAC key: ``shared_secret``, else ``$TIERIO_KV_SECRET``, else None."""
+        raw = self.shared_secret if self.shared_secret is not None else os.environ.get(SECRET_ENV) or None
+        return raw.encode() if isinstance(raw, str) else raw
 
     def __post_init__(self) -> None:
         for name in ("dram_bytes", "nvme_bytes", "device_bytes"):
@@ -69,6 +82,11 @@ class KVConfig:
             raise ConfigError("KV cache: admit_uses and depth must be >= 1, piece_bytes and slab_bytes >= 4096")
         if not self.io_timeout_s > 0 or not self.fetch_latency_s > 0:
             raise ConfigError("KV cache: io_timeout_s and fetch_latency_s must be more than zero")
+        secret = self.secret()
+        if secret is not None and not 16 <= len(secret) <= 64:
+            raise ConfigError(f"KV cache: the shared-tier secret (shared_secret or ${SECRET_ENV}) must be 16 to 64 "
+                              f"bytes, got {len(secret)}; generate one with `python -c 'import secrets; "
+                              "print(secrets.token_hex(32))'`")
 
 
-__all__ = ["KVConfig", "Watermarks"]
+__all__ = ["SECRET_ENV", "KVConfig", "Watermarks"]

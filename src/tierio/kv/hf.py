@@ -33,8 +33,8 @@ from tierio.kv.results import Pending, PrefetchResult
 from tierio.kv.router import KVCache
 from tierio.kv.rule import DecodeSLA
 
-_FINGERPRINT_TENSORS = 16
-_FINGERPRINT_BYTES = 4096
+_SAMPLE_WINDOWS = 16  # windows sampled from each tensor, spread over all of its bytes
+_WINDOW_BYTES = 256
 
 
 def _text_config(model: Any) -> Any:
@@ -58,20 +58,31 @@ def layout_for(model: Any, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> BlockLay
                        dtype=_dtype_name(next(model.parameters()).dtype), tokens=block_tokens)
 
 
+def _tensor_sample(t: torch.Tensor) -> bytes:
+    """A strided sample of a tensor's bytes: ``_SAMPLE_WINDOWS`` windows from its start to its end
+    (all of it when small), so a change spread over a tensor (a merged LoRA) is seen."""
+    raw = t.detach().reshape(-1).contiguous().view(torch.uint8)
+    n = raw.numel()
+    if n <= _SAMPLE_WINDOWS * _WINDOW_BYTES:
+        return raw.cpu().numpy().tobytes()
+    step = (n - _WINDOW_BYTES) // (_SAMPLE_WINDOWS - 1)
+    at = torch.arange(_SAMPLE_WINDOWS, device=raw.device).mul_(step).unsqueeze(1) + torch.arange(_WINDOW_BYTES, device=raw.device)
+    return raw[at.reshape(-1)].cpu().numpy().tobytes()
+
+
 def model_identity(model: Any) -> str:
     """A stable name for ``model``'s weights: its hub name (or type), a digest of its config and of
-    a sample of its parameters. Two models with different configs or differently initialised
-    weights get different identities; in production pass ``model_id`` (a hub id and revision)."""
+    every parameter and buffer (name, shape, dtype and a strided sample of its bytes). A fine-tune
+    of a base model (every projection changed, as a merged LoRA does) gets its own identity. The
+    layout (block size, KV dtype, tensor-parallel rank and size) enters every key's root beside it
+    (``kv.keys.root_key``). In production pass ``model_id`` (a hub id and revision): a sample is a
+    sample, and reading it costs one small copy per tensor."""
     cfg = model.config
     doc = {k: v for k, v in cfg.to_dict().items() if k != "transformers_version"}
     h = xxhash.xxh3_128(json.dumps(doc, sort_keys=True, default=str).encode())
-    params = list(model.named_parameters())
-    step = max(1, len(params) // _FINGERPRINT_TENSORS)
-    for name, p in params[::step][:_FINGERPRINT_TENSORS]:
-        flat = p.detach().reshape(-1)
-        sample = flat[: max(1, _FINGERPRINT_BYTES // flat.element_size())].contiguous().cpu()
-        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
-        h.update(sample.view(torch.uint8).numpy().tobytes())
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(_tensor_sample(t))
     name = getattr(cfg, "_name_or_path", "") or getattr(cfg, "model_type", "model")
     return f"{name}@{h.hexdigest()}"
 

@@ -56,7 +56,7 @@ from tierio.kv.keys import BlockKey, Namespace, chain_keys, root_key
 from tierio.kv.layout import BlockLayout
 from tierio.kv.results import GetResult, Lookup, Pending, PrefetchResult, PutResult
 from tierio.kv.rule import DecodeSLA, fetch_rule
-from tierio.kv.shared import SharedTier, block_checksum
+from tierio.kv.shared import SharedTier, UnauthenticatedBlockError, block_checksum
 from tierio.kv.slab import SlabTier
 from tierio.kv.slabindex import SlotRecord
 from tierio.kv.slots import SlotPool
@@ -132,7 +132,7 @@ class KVCache:
                 tier.close()
                 self._warn("nvme-off", f"the NVMe tier under {c.nvme_dir} has no room for a block; serving from DRAM only")
         if c.shared_url:
-            self.shared = SharedTier(c.shared_url, self.block_bytes)
+            self.shared = SharedTier(c.shared_url, self.block_bytes, c.secret())
             self._ledger.shared = True
 
     def _recover(self, tier: SlabTier) -> None:
@@ -844,10 +844,12 @@ class KVCache:
     # -- failures -------------------------------------------------------------------------------
     def _failed(self, exc: BaseException, doing: str) -> None:
         """Count a failure as a miss and say so once per kind (with the first occurrence's detail)."""
-        kind = ("integrity" if isinstance(exc, IntegrityError) else "disk_full" if isinstance(exc, DiskFullError)
-                else "io")
+        kind = ("unauthenticated" if isinstance(exc, UnauthenticatedBlockError) else "integrity"
+                if isinstance(exc, IntegrityError) else "disk_full" if isinstance(exc, DiskFullError) else "io")
         with self._lock:
-            if kind == "integrity":
+            if kind == "unauthenticated":
+                self.counters.unauthenticated += 1
+            elif kind == "integrity":
                 self.counters.integrity_errors += 1
             elif kind == "disk_full":
                 self.counters.disk_full += 1

@@ -5,10 +5,17 @@ Other nodes reach a block through its key alone, so each block is one object nam
 block. The header is checked against the key asked for and the bytes against the checksum on
 every read: an object that is short, damaged, or names another block is a miss, never data.
 Objects are written whole (the store's atomic put), so a reader never sees half of one.
+
+The checksum guards against damage, not against a writer: anyone who can write the bucket can
+write a well-formed object for any key. With a per-deployment secret the header's last 16 bytes
+carry a keyed BLAKE2b MAC of the header and the block's bytes; a reader holding the secret takes
+only blocks whose MAC verifies (``UnauthenticatedBlockError`` otherwise: a miss).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 
 import numpy as np
@@ -23,6 +30,12 @@ MAGIC = b"TKVB"
 VERSION = 1
 _HEAD = struct.Struct("<4sI16sQQ")
 HEADER_BYTES = 64
+MAC_BYTES = 16
+_MAC_AT = HEADER_BYTES - MAC_BYTES  # after the header body and its 8-byte xxh3
+
+
+class UnauthenticatedBlockError(IntegrityError):
+    """A shared-tier block without a valid MAC under this deployment's secret."""
 
 
 def object_key(key: bytes) -> str:
@@ -33,6 +46,14 @@ def object_key(key: bytes) -> str:
 def pack_header(key: bytes, nbytes: int, checksum: int) -> bytes:
     body = _HEAD.pack(MAGIC, VERSION, key, nbytes, checksum)
     return (body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))).ljust(HEADER_BYTES, b"\0")
+
+
+def block_mac(secret: bytes, header: bytes, data: np.ndarray | memoryview) -> bytes:
+    """The keyed MAC of a block object: BLAKE2b keyed with ``secret`` over its header (MAC field
+    excluded) and its bytes."""
+    h = hashlib.blake2b(header[:_MAC_AT], key=secret, digest_size=MAC_BYTES)
+    h.update(memoryview(data).cast("B"))
+    return h.digest()
 
 
 def check_header(raw: bytes, key: bytes, nbytes: int, where: str) -> int:
@@ -55,9 +76,10 @@ def block_checksum(data: np.ndarray | memoryview) -> int:
 class SharedTier:
     kind = Tier.SHARED
 
-    def __init__(self, url: str, block_bytes: int) -> None:
+    def __init__(self, url: str, block_bytes: int, secret: bytes | None = None) -> None:
         self.url = url
         self.block_bytes = block_bytes
+        self.secret = secret
         self.store: Store = open_store(url)
 
     def exists(self, key: bytes) -> bool:
@@ -73,12 +95,19 @@ class SharedTier:
         self.store.read_into(name, HEADER_BYTES, memoryview(dest))
         if block_checksum(dest) != checksum:
             raise IntegrityError(f"{where}: block bytes do not match their checksum")
+        if self.secret is not None and not hmac.compare_digest(head[_MAC_AT:], block_mac(self.secret, bytes(head), dest)):
+            raise UnauthenticatedBlockError(f"{where}: the block has no valid MAC under this deployment's secret (written "
+                                            "by a node without the secret, or forged); not served")
 
     def write(self, key: bytes, data: np.ndarray, checksum: int) -> None:
-        self.store.put_buffers(object_key(key), [pack_header(key, self.block_bytes, checksum), memoryview(data)])
+        head = pack_header(key, self.block_bytes, checksum)
+        if self.secret is not None:
+            head = head[:_MAC_AT] + block_mac(self.secret, head, data)
+        self.store.put_buffers(object_key(key), [head, memoryview(data)])
 
     def close(self) -> None:
         self.store.close()
 
 
-__all__ = ["HEADER_BYTES", "SharedTier", "block_checksum", "check_header", "object_key", "pack_header"]
+__all__ = ["HEADER_BYTES", "SharedTier", "UnauthenticatedBlockError", "block_checksum", "block_mac", "check_header",
+           "object_key", "pack_header"]

@@ -40,6 +40,7 @@ class Counters:
     prefetch_late: int = 0       # prefetches skipped because their deadline had passed
     uploaded: int = 0            # blocks written to the shared store
     integrity_errors: int = 0    # checksum, key or size mismatches on a read: counted as misses
+    unauthenticated: int = 0     # shared-store blocks without a valid MAC under the secret: misses
     io_errors: int = 0           # failed reads or writes: counted as misses
     disk_full: int = 0           # ENOSPC while creating or writing a tier
     timeouts: int = 0            # waits for another thread's transfer that ran out of time

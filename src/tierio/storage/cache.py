@@ -531,8 +531,7 @@ class NodeCache:
                 if plan.verify is not None:
                     plan.verify(target)
                 if not plan.durable:
-                    os.close(open_dir_beneath(self.root, [UNSYNCED], create=True))
-                    os.close(_open_own(self.root, f"{UNSYNCED}/{name}", os.O_WRONLY | os.O_CREAT))
+                    self._mark_unsynced(name)
                 self._commit(name, kind)
             except TierioError:
                 raise
@@ -563,6 +562,21 @@ class NodeCache:
             log.debug("could not flush cache entry %s in %s: %s", name, self.root, exc)
         finally:
             release_fd(fd)
+
+    def _mark_unsynced(self, name: str) -> None:
+        """Make ``unsynced/<name>`` durable before the commit rename: after a crash the entry may
+        be on the disk without its bytes, and only a marker that survived says so."""
+        dfd = open_dir_beneath(self.root, [UNSYNCED], create=True)
+        try:
+            os.close(_open_own(self.root, f"{UNSYNCED}/{name}", os.O_WRONLY | os.O_CREAT))
+            os.fsync(dfd)  # the marker's name
+        finally:
+            os.close(dfd)
+        rfd = open_dir_beneath(self.root, [])
+        try:
+            os.fsync(rfd)  # unsynced/ itself, made on first use
+        finally:
+            os.close(rfd)
 
     def _commit(self, name: str, kind: Kind) -> None:
         """Rename the scratch copy into ``entries/`` through directory descriptors (no link followed)."""

@@ -63,11 +63,29 @@ class LocalStore:
             raise os_error(exc, self.root / key, "creating the directory of") from exc
         return self.root / key
 
+    def _parent_fd(self, key: str) -> int:
+        """A descriptor of the key's directory (made as needed, no link followed). Writes create,
+        fsync and rename through it, so a directory swapped for a link after this check cannot
+        redirect them outside the root."""
+        parts = check_key(key).split("/")
+        try:
+            return open_dir_beneath(self.root, parts[:-1], create=True)
+        except OSError as exc:
+            raise os_error(exc, self.root / key, "creating the directory of") from exc
+
     def put_buffers(self, key: str, buffers: Sequence[Buffer]) -> int:
-        return atomic_write(self._writable(key), buffers, direct=self.direct, limiter=self.limiter).bytes
+        dfd = self._parent_fd(key)
+        try:
+            return atomic_write(self.root / key, buffers, dir_fd=dfd, direct=self.direct, limiter=self.limiter).bytes
+        finally:
+            os.close(dfd)
 
     def put_file(self, key: str, path: str | Path) -> int:
-        return atomic_copy(path, self._writable(key), direct=self.direct, limiter=self.limiter).bytes
+        dfd = self._parent_fd(key)
+        try:
+            return atomic_copy(path, self.root / key, dir_fd=dfd, direct=self.direct, limiter=self.limiter).bytes
+        finally:
+            os.close(dfd)
 
     def create_exclusive(self, key: str, data: bytes) -> bool:
         # The bytes go to a temp file first and are linked to ``key`` whole: link() fails if the
@@ -248,16 +266,23 @@ class LocalStore:
             raise os_error(exc, self.root / key, "deleting") from exc
         finally:
             os.close(dfd)
-        self._prune(self.root.joinpath(*parts[:-1]))
+        self._prune(parts[:-1])
 
-    def _prune(self, d: Path) -> None:
-        """Drop directories left empty, up to the root, so deleted checkpoints leave no husks."""
-        while d != self.root and self.root in d.parents:
+    def _prune(self, parts: list[str]) -> None:
+        """Drop directories left empty, up to the root, so deleted checkpoints leave no husks.
+        Each is removed in its parent's descriptor (reached without links): a directory swapped
+        for a link meanwhile is never climbed out of."""
+        for i in range(len(parts), 0, -1):
             try:
-                d.rmdir()
+                dfd = open_dir_beneath(self.root, parts[: i - 1])
+            except (NotFoundError, FormatError, OSError):
+                return
+            try:
+                os.rmdir(parts[i - 1], dir_fd=dfd)  # a link or a non-empty directory: refused
             except OSError:
-                break
-            d = d.parent
+                return
+            finally:
+                os.close(dfd)
 
     def delete_prefix(self, prefix: str) -> int:
         keys = self.list(prefix)
@@ -265,7 +290,7 @@ class LocalStore:
             self.delete(key)
         self._remove_temps(prefix, older_than=0.0, force=True)
         if prefix.endswith("/"):
-            self._prune(self.root / check_key(prefix.rstrip("/")))
+            self._prune(check_key(prefix.rstrip("/")).split("/"))
         return len(keys)
 
     def cleanup(self, prefix: str = "", older_than: float = 0.0) -> int:
@@ -282,18 +307,27 @@ class LocalStore:
             return 0
         now = time.time()
         removed = 0
-        for dirpath, dirnames, filenames in os.walk(base):  # linked directories are not entered
-            for name in filenames:
-                path = os.path.join(dirpath, name)
-                if not is_temp(name) or not os.path.relpath(path, self.root).replace(os.sep, "/").startswith(prefix):
-                    continue
-                try:
-                    st = os.lstat(path)
-                    if stat.S_ISREG(st.st_mode) and now - st.st_mtime >= older_than and (force or writer_gone(path)):
-                        os.unlink(path)
-                        removed += 1
-                except FileNotFoundError:
-                    continue
+        top = os.path.relpath(base, self.root)
+        rfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            # fwalk descends through directory descriptors and enters no link (it checks each
+            # directory it opens is the one it listed), and every test and unlink is made in the
+            # descriptor of the directory listed: nothing outside the root is ever touched.
+            for dirpath, _, filenames, dfd in os.fwalk(top, dir_fd=rfd):
+                for name in filenames:
+                    rel = os.path.normpath(os.path.join(dirpath, name)).replace(os.sep, "/")
+                    if not is_temp(name) or not rel.startswith(prefix):
+                        continue
+                    try:
+                        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                        if stat.S_ISREG(st.st_mode) and now - st.st_mtime >= older_than and (
+                                force or writer_gone(name, dir_fd=dfd)):
+                            os.unlink(name, dir_fd=dfd)
+                            removed += 1
+                    except FileNotFoundError:
+                        continue
+        finally:
+            os.close(rfd)
         return removed
 
     def capacity(self) -> tuple[int, int] | None:

@@ -33,7 +33,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import stat
 import threading
 import time
@@ -46,10 +45,12 @@ from tierio.errors import ConfigError, FormatError, IntegrityError, NotFoundErro
 from tierio.io import pagecache
 from tierio.io.buffers import ALIGN, align_up
 from tierio.io.checksum import xxh3
-from tierio.io.durable import fsync_dir
+from tierio.format.shard import MANIFEST, parse_record_name
+from tierio.io.durable import fsync_tree, write_new_synced
 from tierio.io.files import open_file, os_error, pwrite_all
+from tierio.io.paths import open_beneath
 from tierio.io.untrusted import Fields, check_hex, check_str, read_json_file
-from tierio.storage.base import check_key
+from tierio.storage.base import check_key, list_sizes, read_bytes
 from tierio.storage.cache import CacheOptions, FillPlan, NodeCache, entry_name, make_parents
 from tierio.weights import engine
 from tierio.weights.engine import Hook, Progress
@@ -64,6 +65,14 @@ SUM_WINDOW = 2 << 20  # the checksum window: fills record one xxh3 per multiple 
 MAX_FILES = 100_000
 KINDS = ("file", "hf", "dir", "tierio")
 _OFFSET = re.compile(r"[0-9]{1,19}")
+# The files beside the shards worth caching: what a load, a tokenizer or a generation config reads.
+# Nothing else of a model directory is copied (optimizer states, READMEs, planted files).
+COMPANIONS = frozenset({
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+    "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
+    "sentencepiece.bpe.model", "preprocessor_config.json", "chat_template.json", "chat_template.jinja",
+})
+MAX_COMPANION_BYTES = 256 << 20  # the largest tokenizers are tens of MB; anything bigger is not one
 
 
 @dataclass
@@ -157,6 +166,63 @@ def stale_reason(record: CacheRecord, entry: Path, src: ModelSource | None) -> s
     return None
 
 
+def _wanted_companion(src: ModelSource, key: str) -> bool:
+    """An allow-listed file in the shards' directory: configs, tokenizer files, a ``*.index.json``;
+    for a tierio checkpoint, its step's manifest and rank records (what resolving the copy reads)."""
+    folder, _, name = key.rpartition("/")
+    if folder != src.shards[0].key.rpartition("/")[0]:
+        return False
+    if src.kind == "tierio":
+        return name == MANIFEST or parse_record_name(name) is not None
+    return name in COMPANIONS or name.endswith(".index.json")
+
+
+def companion_sizes(src: ModelSource) -> dict[str, int]:
+    """The companion files a fill copies, with their sizes at the source (counted in the fill's
+    reservation). A local file that is a symbolic link (or passes through one), or is not a
+    regular file, is skipped with a warning: a link planted in a shared model directory must not
+    bring its target into the node cache."""
+    shard_keys = {s.key for s in src.shards}
+    keys = [k for k in src.keys if k not in shard_keys and _wanted_companion(src, k)]
+    if src.store is not None:
+        sizes = list_sizes(src.store, "")
+        found = {k: sizes[k] for k in keys if k in sizes}
+    else:
+        found = {}
+        for k in keys:
+            try:
+                fd = open_beneath(src.root, k, os.O_RDONLY)  # type: ignore[arg-type]
+            except (FormatError, NotFoundError) as exc:
+                log.warning("not caching %s/%s: %s", src.root, k, exc)
+                continue
+            try:
+                found[k] = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+    for k, size in list(found.items()):
+        if size > MAX_COMPANION_BYTES:
+            log.warning("not caching %s/%s: %d bytes is more than a config or tokenizer file holds", src.url, k, size)
+            del found[k]
+    return found
+
+
+def _read_companion(src: ModelSource, key: str, size: int) -> bytes:
+    """A companion's bytes, exactly the ``size`` planned (opened without following a link)."""
+    if src.store is not None:
+        data = read_bytes(src.store, key, 0, size)
+    else:
+        fd = open_beneath(src.root, key, os.O_RDONLY)  # type: ignore[arg-type]
+        try:
+            data = os.pread(fd, size + 1, 0)
+        except OSError as exc:
+            raise os_error(exc, f"{src.root}/{key}", "reading") from exc
+        finally:
+            os.close(fd)
+    if len(data) != size:
+        raise IntegrityError(f"{src.url}/{key} changed size during the cache fill ({size} -> {len(data)} bytes); fetch again")
+    return data
+
+
 def check_listing(src: ModelSource) -> None:
     """Every name the fill will write must stay inside the entry: checked before any directory is made."""
     where = f"the listing of {src.url}"
@@ -238,6 +304,7 @@ class _Request:
         self.record: CacheRecord | None = None  # of the entry used
         self.tensors: dict[str, torch.Tensor] | None = None  # loaded while filling
         self._files: dict[str, FileRecord] = {}
+        self._companions: dict[str, int] = {}  # planned companion files -> size at the source
         self._checked_source: list[ModelSource | None] = []
 
     # -- a hit ------------------------------------------------------------------------------------
@@ -278,7 +345,9 @@ class _Request:
         src = resolve(self.url)
         check_listing(src)
         self.src = src
-        return FillPlan(src.total_bytes, self.write, f"model {self.url}", verify=self.verify)
+        self._companions = companion_sizes(src)
+        size = src.total_bytes + sum(self._companions.values())  # every byte the fill writes is reserved
+        return FillPlan(size, self.write, f"model {self.url}", verify=self.verify)
 
     def write(self, target: Path) -> None:
         """The fill: companion files first, then every shard through its writer."""
@@ -300,20 +369,14 @@ class _Request:
                 w.abort()
 
     def _copy_companions(self, target: Path) -> dict[str, FileRecord]:
-        """The small files beside the shards (config.json, the index, a manifest)."""
+        """The allow-listed small files beside the shards (see ``companion_sizes``), each written
+        and fsynced before the entry can be published."""
         src = self.src
         assert src is not None
-        shard_keys = {s.key for s in src.shards}
         out = {}
-        for key in src.keys:
-            if key in shard_keys:
-                continue
-            dst = make_parents(target, key, src.url)
-            if src.store is not None:
-                src.store.get_file(key, dst)
-            else:
-                shutil.copyfile(src.root / key, dst)  # type: ignore[operator]
-            out[key] = FileRecord(dst.stat().st_size)
+        for key, size in self._companions.items():
+            write_new_synced(make_parents(target, key, src.url), _read_companion(src, key, size))
+            out[key] = FileRecord(size)
         return out
 
     def _download(self, writers: dict[int, _ShardWriter]) -> None:
@@ -347,8 +410,11 @@ class _Request:
         for s in src.shards:
             if got.get(s.key) != s.header.tensors:  # type: ignore[union-attr]
                 raise IntegrityError(f"cache copy of {s.where} has a different header than the source; the source changed during the copy")
-        (target / RECORD).write_text(record.to_json())
-        fsync_dir(target)
+        write_new_synced(target / RECORD, record.to_json().encode())
+        try:
+            fsync_tree(target)  # the names of every file; the cache's rename then publishes them
+        except OSError as exc:
+            raise os_error(exc, target, "syncing the cache entry") from exc
         self.record = record
 
     def map_filled(self, entry: Path) -> dict[str, torch.Tensor]:
