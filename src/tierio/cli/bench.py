@@ -15,6 +15,7 @@ TARGETS = {
     "data": "sequence packing, loader and streaming throughput",
     "parquet": "building a dataset from Parquet vs reading the column with pyarrow",
     "kv": "the KV cache vs memcpy, fio and recomputing the prefill",
+    "crash": "every crash point of a save, promotion, cache fill and dataset build, each killed and checked",
 }
 
 EPILOG = """\
