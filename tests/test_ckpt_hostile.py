@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from tierio.ckpt import CheckpointManager, KeepLast, Tier, delete_step, gc, list_checkpoints
-from tierio.ckpt.lease import LEASE_KEY, read_lease
+from tierio.ckpt.lease import LEASE_PREFIX, newest_generation, read_lease
 from tierio.cli.main import main
-from tierio.errors import FormatError, IntegrityError, NotFoundError
+from tierio.errors import FormatError, IntegrityError, LeaseError, NotFoundError, TierioError
 from tierio.storage import open_store
 
 STEP2 = "step_000000002"
@@ -117,25 +117,41 @@ def test_nothing_is_deleted_through_a_link(tmp_path):
     assert (Path(fast) / "step_000000001").is_symlink() and shard.is_symlink()  # only links of ours go
 
 
-def test_planted_lease_link_and_garbage_lease(tmp_path, capsys):
+def test_planted_lease_link_and_garbage_lease(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TIERIO_LEASE_EXPIRES", "1")
     root = tmp_path / "tier"
-    root.mkdir()
+    (root / LEASE_PREFIX).mkdir(parents=True)
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
-    (root / LEASE_KEY).symlink_to(victim)
+    planted = root / LEASE_PREFIX / "000000000001.json"
+    planted.symlink_to(victim)
     with CheckpointManager([root]) as mgr:
-        mgr.save(1, state(1)).wait()  # the link is removed (not followed) and a real lease taken
-    assert victim.read_text() == "precious"
-    assert not (root / LEASE_KEY).exists()  # released
-    for garbage in (b"{" * 10000, b'{"schema": "tierio.lease", "version": 1, "run": "../x", "pid": 1e400}', b"\xff\xfe"):
-        (root / LEASE_KEY).write_bytes(garbage)
+        with pytest.raises(LeaseError, match=r"000000000001.json is not a lease.*remove it by hand"):
+            mgr.save(1, state(1)).wait()  # the link is neither read through nor removed
+    assert victim.read_text() == "precious" and planted.is_symlink()
+    planted.unlink()
+    with CheckpointManager([root]) as mgr:
+        mgr.save(1, state(1)).wait()
+    assert read_lease(open_store(root)) is None  # released
+    for garbage in (b"{" * 10000, b'{"schema": "tierio.lease", "version": 2, "run": "../x", "pid": 1e400}', b"\xff\xfe"):
+        bad = root / LEASE_PREFIX / f"{newest_generation(open_store(root)) + 1:012d}.json"
+        bad.write_bytes(garbage)
         with pytest.raises(FormatError):
             read_lease(open_store(root))
         assert main(["ckpt", "ls", str(root), "--json"]) == 0
         doc = json.loads(capsys.readouterr().out)
         assert doc["lease"]["stale"] == "unreadable" and [c["step"] for c in doc["checkpoints"]] == [1]
-        assert main(["ckpt", "unlock", str(root)]) == 0
-        assert "unreadable" in capsys.readouterr().out and not (root / LEASE_KEY).exists()
+        assert main(["ckpt", "unlock", str(root)]) == 0  # unchanged while it watched: broken
+        assert "unreadable" in capsys.readouterr().out and read_lease(open_store(root)) is None
+    # The lease directory itself planted as a link out of the tier: refused, nothing written there.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (root / LEASE_PREFIX).rename(tmp_path / "old-lease")
+    (root / LEASE_PREFIX.rstrip("/")).symlink_to(outside)
+    with CheckpointManager([root]) as mgr:
+        with pytest.raises(TierioError):
+            mgr.save(2, state(2)).wait()
+    assert list(outside.iterdir()) == [] and victim.read_text() == "precious"
 
 
 def test_hostile_lineage_fields_are_reported_not_raised(tmp_path, capsys):

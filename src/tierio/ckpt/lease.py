@@ -359,6 +359,12 @@ def acquire(store: Store, me: Holder, *, force: bool = False, timing: LeaseTimin
             got = _take(store, me, seen.generation)
         if got is not None:
             return got
+        after = look(store)
+        if (after.generation if after else 0) == (seen.generation if seen else 0):
+            # The name is taken, yet no newer lease is listed: not a regular file, so not a lease.
+            key = generation_key((seen.generation if seen else 0) + 1)
+            raise LeaseError(f"{_where(store, key)} is not a lease (a link or a special file planted there?); "
+                             "tierio neither follows nor removes it: remove it by hand, then retry")
         proven_free = None  # a fresh holder won the race: it is not the one that was proven gone
     raise LeaseError(f"could not take the lease on {store.url}: other writers keep taking it; is another job "
                      "starting on this tier?")

@@ -19,12 +19,13 @@ class CheckpointOptions:
     writes to slower tiers (bytes/s or text); ``min_keep``: checkpoints retention always leaves;
     ``commit_timeout``: seconds a commit waits for every rank's shard; ``run_id``: this run's name in
     leases and manifests (default: a fresh one, agreed across ranks); ``break_lease``: take over a
-    tier another run still leases; ``lease_expires``: seconds a tier's lease may stay unrenewed before
-    another run takes it over (default 120, or ``TIERIO_LEASE_EXPIRES``; ``ckpt.lease``); ``node``: this rank's node, for node-local tiers (default: the
-    host name; with a process group, ranks naming the same node share it); ``ranks_per_node``:
-    without a process group, ranks sit on nodes in blocks of this many (default: torchrun's
-    LOCAL_WORLD_SIZE, else one node); ``inline_records``: rank records up to this many bytes
-    together are merged into the manifest, larger ones are referenced; ``mtbf``: the job's mean time
+    tier another run still leases; ``lease_expires``: seconds a tier's lease may stay unrenewed
+    before another run takes it over (default 120, or ``TIERIO_LEASE_EXPIRES``; ``ckpt.lease``);
+    ``node``: this rank's node, for node-local tiers (default: the host name; with a process
+    group, ranks naming the same node share it); ``ranks_per_node``: without a process group,
+    ranks sit on nodes in blocks of this many (default: torchrun's LOCAL_WORLD_SIZE, else one
+    node); ``inline_records``: rank records up to this many bytes together are merged into the
+    manifest, larger ones are referenced; ``mtbf``: the job's mean time
     between failures in seconds, which turns on ``CheckpointManager.should_save`` (Young/Daly's
     interval from the measured cost of saves, ``ckpt.interval``); ``overlap``: zero-stall snapshots,
     ``save`` returns before the large tensors are copied and the next update waits for the copy
