@@ -8,6 +8,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -54,6 +55,7 @@ class Fault:
     stall: bool = False  # swallow the request, never answer it
     cut_after: int | None = None  # forward this many bytes of the answer, then drop the connection
     reset: bool = False  # drop with a TCP reset instead of a clean close
+    drip: float | None = None  # send the answer's headers, then its body one byte every ``drip`` seconds
 
 
 class FaultyProxy(LoopbackServer):
@@ -79,7 +81,7 @@ class FaultyProxy(LoopbackServer):
     def _relay(self, client: socket.socket, upstream: socket.socket) -> None:
         """One thread per connection, so a cut closes sockets no other thread is blocked on."""
         fault: Fault | None = None
-        line, sent = "", 0
+        line, sent, head = "", 0, b""
         try:
             while True:
                 ready, _, _ = select.select([client, upstream], [], [])
@@ -88,7 +90,7 @@ class FaultyProxy(LoopbackServer):
                     if not data:
                         return
                     if data.split(b" ", 1)[0] in METHODS:  # a new request on this connection
-                        line, sent = data.split(b"\r\n", 1)[0].decode("latin-1"), 0
+                        line, sent, head = data.split(b"\r\n", 1)[0].decode("latin-1"), 0, b""
                         with self.lock:
                             self.requests.append(line)
                             fault = self.rule(line)
@@ -103,6 +105,9 @@ class FaultyProxy(LoopbackServer):
                     if fault and fault.cut_after is not None and sent + len(data) > fault.cut_after:
                         self._cut(client, data[: fault.cut_after - sent], line, fault.reset)
                         return
+                    if fault and fault.drip is not None:
+                        head = self._drip(client, head, data, fault.drip)
+                        continue
                     client.sendall(data)
                     sent += len(data)
         except OSError:
@@ -110,6 +115,24 @@ class FaultyProxy(LoopbackServer):
         finally:
             client.close()
             upstream.close()
+
+    @staticmethod
+    def _drip(client: socket.socket, head: bytes, data: bytes, every: float) -> bytes:
+        """Forward the answer's headers at once and its body byte by byte; ``head`` is the headers
+        seen so far (complete once they hold a blank line), returned with ``data``'s added."""
+        if b"\r\n\r\n" not in head:
+            head += data
+            end = head.find(b"\r\n\r\n")
+            if end < 0:
+                client.sendall(data)
+                return head
+            body = head[end + 4 :]
+            client.sendall(data[: len(data) - len(body)])
+            data, head = body, head[: end + 4]
+        for i in range(len(data)):
+            client.sendall(data[i : i + 1])
+            time.sleep(every)
+        return head
 
     def _cut(self, client: socket.socket, last: bytes, line: str, reset: bool) -> None:
         client.sendall(last)

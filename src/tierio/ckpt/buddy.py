@@ -27,6 +27,7 @@ part); the rank verifies it and writes it back to its node's (new) tier 0, then 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from collections.abc import Sequence
@@ -38,10 +39,11 @@ from typing import Any
 import torch
 
 from tierio.errors import ConfigError, FormatError, IntegrityError, StorageError, TierioError
-from tierio.format.manifest import Manifest, RankEntry, check_globals, utc_now
+from tierio.format.manifest import MAX_MANIFEST_BYTES, Manifest, RankEntry, check_globals, utc_now
 from tierio.format.shard import parse_record_name, parse_step_dir, shard_name, step_dir, step_key
 from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Store, list_sizes, read_bytes
+from tierio.units import fmt_bytes
 
 from tierio.ckpt.commit import check_record
 from tierio.ckpt.copy import verify_chunks
@@ -163,10 +165,21 @@ def _header(parcel: Parcel | None) -> torch.Tensor:
     return torch.tensor([parcel.step, len(parcel.name), len(parcel.record), parcel.shard.numel()], dtype=torch.int64)
 
 
-def transfer(link: Link, sends: Sequence[tuple[int, Parcel | None]], recv_from: int | None) -> Parcel | None:
+def parcel_room(store: Store) -> int:
+    """The most bytes a parcel received for ``store`` (this node's tier 0) may declare: it is
+    received into this host's memory and then kept on that tier, so no more than either holds."""
+    room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    space = store.capacity()
+    return room if space is None else min(room, space[1])
+
+
+def transfer(link: Link, sends: Sequence[tuple[int, Parcel | None]], recv_from: int | None,
+             room: int) -> Parcel | None:
     """Send each parcel to its rank and receive one from ``recv_from`` (None: none), in two rounds
     over the buddy group: headers, then bytes (none after an empty header). Every rank named must
-    make the matching call. Returns the parcel received, None when an empty header came."""
+    make the matching call. Returns the parcel received, None when an empty header came. A header
+    is the peer's word, checked before anything is allocated: a record no larger than a manifest
+    may be, a parcel of at most ``room`` bytes (``parcel_room``)."""
     import torch.distributed as dist
 
     g = link.group
@@ -187,8 +200,14 @@ def transfer(link: Link, sends: Sequence[tuple[int, Parcel | None]], recv_from: 
     buf = None
     step, name_len, rec_len, shard_len = (int(x) for x in head_in)
     if recv_from is not None and step != _NOTHING:
-        if not (0 < name_len <= 255 and 0 <= rec_len <= 1 << 30 and shard_len >= 0):
+        if not (0 < name_len <= 255 and 0 <= rec_len <= MAX_MANIFEST_BYTES and shard_len >= 0):
             raise FormatError(f"buddy rank {recv_from} sent a malformed header {head_in.tolist()}")
+        if name_len + rec_len + shard_len > room:
+            raise FormatError(
+                f"buddy rank {recv_from} declared a copy of step {step} of {fmt_bytes(name_len + rec_len + shard_len)} "
+                f"({shard_len} shard bytes), more than this rank can receive and keep ({fmt_bytes(room)}: this "
+                "host's memory or its tier 0's free space); refused before allocating it. Free space on tier 0, "
+                f"or check what rank {recv_from} saved")
         buf = torch.empty(name_len + rec_len + shard_len, dtype=torch.uint8)
         ops.append(dist.irecv(buf, recv_from, group=g))
     for op in ops:
@@ -280,7 +299,7 @@ class Buddy:
                 out = read_parcel(self.store, step, step_key(step, record_name), step_key(step, shard_name(self.rank)))
             except TierioError as exc:
                 log.warning("rank %d: no buddy copy of step %d sent: %s", self.rank, step, exc)
-        got = transfer(link, [(link.pairing.partner, out)], link.pairing.source)
+        got = transfer(link, [(link.pairing.partner, out)], link.pairing.source, parcel_room(self.store))
         if got is None:
             return None
         base = held_dir(link.pairing.source_node, got.step)
@@ -406,7 +425,7 @@ def fetch_step(buddy: Buddy, plan: StepPlan) -> Exception | None:
             sends.append((r, None))
     mine = fetches.get(rank)
     try:
-        got = transfer(link, sends, mine.holder if mine is not None else None)
+        got = transfer(link, sends, mine.holder if mine is not None else None, parcel_room(buddy.store))
     except (RuntimeError, FormatError) as exc:
         return StorageError(f"rank {rank}: the buddy transfer of step {step} failed: {exc}")
     if mine is None:

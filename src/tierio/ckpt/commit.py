@@ -87,6 +87,8 @@ def same_entry(committed: RankEntry, mine: RankEntry, ref: RecordRef | None) -> 
 
 def await_commit(store: Store, step: int, mine: RankEntry, ref: RecordRef | None, wait: Waiting) -> Manifest:
     """Step 4 (ranks other than the committer): wait until the manifest describes ``mine``."""
+    from tierio.ckpt.reader import read_manifest_bytes  # here: ckpt.reader imports this module
+
     key = manifest_key(step)
     seen: list[str] = []
 
@@ -94,7 +96,7 @@ def await_commit(store: Store, step: int, mine: RankEntry, ref: RecordRef | None
         if not store.exists(key):
             return False
         try:
-            raw = read_bytes(store, key)
+            raw = read_manifest_bytes(store, step)  # its size limit applies from the stat, before any read
             man = parse_manifest(raw, where(store, key), expect_step=step)
         except (FormatError, NotFoundError) as exc:  # being replaced right now, or not ours
             seen[:] = [str(exc)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 from urllib.parse import unquote, urlparse
 
@@ -20,6 +21,7 @@ from tierio import events
 from tierio.diag.alerts import DATA_WAIT_VARIANCE, PERSIST_REGRESSION, AlertChange, AlertOptions, DataWaitVariance, PersistRegression
 from tierio.errors import ConfigError
 from tierio.io.space import disk_space
+from tierio.storage.url import redact
 
 log = logging.getLogger("tierio.metrics")
 
@@ -27,6 +29,7 @@ log = logging.getLogger("tierio.metrics")
 STALL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PERSIST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+PROBE_WAIT = 1.0  # seconds a scrape waits for a tier's statvfs before it reports the last value read
 
 
 def _prometheus() -> Any:
@@ -103,6 +106,43 @@ class _Series:
             self.alerts.labels(name)  # present at 0, so a rule on increase() has a series from the start
 
 
+class _SpaceProbes:
+    """statvfs of each local tier, on a thread of its own with at most one in flight per tier.
+
+    statvfs of a hung mount (NFS, a FUSE daemon that stopped) never returns: run in the scrape's
+    thread, every scrape would leave one more thread stuck there. Here a scrape waits at most
+    ``wait`` seconds and otherwise gets the last value read, with its age."""
+
+    def __init__(self, wait: float) -> None:
+        self.wait = wait
+        self._lock = threading.Lock()
+        self._last: dict[str, tuple[int, int] | None] = {}
+        self._since: dict[str, float] = {}  # monotonic time of the last answer (or of the first ask)
+        self._running: dict[str, threading.Event] = {}
+
+    def read(self, path: str) -> tuple[tuple[int, int] | None, float]:
+        """((total, free) as last read or None, seconds since it was read: 0 when read now)."""
+        with self._lock:
+            done = self._running.get(path)
+            if done is None:
+                done = self._running[path] = threading.Event()
+                self._since.setdefault(path, time.monotonic())
+                threading.Thread(target=self._probe, args=(path, done), name="tierio-metrics-statvfs", daemon=True).start()
+        fresh = done.wait(self.wait)
+        with self._lock:
+            return self._last.get(path), 0.0 if fresh else time.monotonic() - self._since[path]
+
+    def _probe(self, path: str, done: threading.Event) -> None:
+        space = None
+        try:
+            space = disk_space(path)
+        finally:
+            with self._lock:
+                self._last[path], self._since[path] = space, time.monotonic()
+                del self._running[path]
+            done.set()
+
+
 class _SpaceCollector:
     """Free and total bytes of every local tier seen, read when Prometheus scrapes."""
 
@@ -111,23 +151,29 @@ class _SpaceCollector:
 
         self._family = GaugeMetricFamily
         self._exporter = exporter
+        self._probes = _SpaceProbes(PROBE_WAIT)
 
     def collect(self) -> Any:
         free = self._family("tierio_tier_free_bytes", "Free bytes of the filesystem under each local tier", labels=["tier"])
         size = self._family("tierio_tier_size_bytes", "Size of the filesystem under each local tier", labels=["tier"])
+        age = self._family("tierio_tier_space_age_seconds", "Seconds since the free and size bytes of each local "
+                           "tier were read (0: at this scrape; growing: its filesystem does not answer)", labels=["tier"])
         oldest = self._family("tierio_checkpoint_oldest_pending_promotion_seconds",
                               "Age of the oldest step still waiting for promotion", labels=["tier"])
         tiers, pending = self._exporter.scrape_view()
         for tier in tiers:
             path = local_path(tier)
-            space = disk_space(path) if path else None
+            if not path:
+                continue
+            space, seconds = self._probes.read(path)
+            age.add_metric([tier], seconds)
             if space is not None:
                 size.add_metric([tier], space[0])
                 free.add_metric([tier], space[1])
         now = time.monotonic()
         for tier, started in pending.items():
             oldest.add_metric([tier], now - started if started is not None else 0.0)
-        yield from (free, size, oldest)
+        yield from (free, size, age, oldest)
 
     def describe(self) -> list:
         return []  # collected fresh at every scrape; no fixed description
@@ -217,6 +263,7 @@ class Exporter:
 
     def _on_checkpoint(self, ev: events.Event) -> None:
         s = self._series
+        ev = _redacted(ev)
         if isinstance(ev, events.CheckpointStaged):
             self._see(ev.tier)
             s.save_blocking.labels(ev.tier).observe(ev.blocking_seconds)
@@ -306,6 +353,12 @@ class Exporter:
             log.warning("%s", change.message)
         else:
             log.info("%s", change.message)
+
+
+def _redacted(ev: events.Event) -> events.Event:
+    """``ev`` with its tier URLs stripped of credentials: labels are shown to whoever can scrape."""
+    changes = {f: redact(v) for f in ("tier", "source") if isinstance(v := getattr(ev, f, None), str)}
+    return replace(ev, **changes) if changes else ev  # type: ignore[type-var]
 
 
 def _unregister(registry: Any, collectors: list[Any]) -> None:

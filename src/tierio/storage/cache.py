@@ -214,7 +214,8 @@ class CacheOptions:
     limit: int  # bytes of entries, fills in flight included
     wait_timeout: float = 60.0  # seconds a fill waits while every evictable entry is pinned
     # A fill of a large model from remote storage takes minutes: a reader waits for it (bounded)
-    # rather than failing, whatever ``wait_timeout`` allows for room.
+    # rather than failing, whatever ``wait_timeout`` allows for room. Every wait on an entry's lock
+    # (a pin behind a fill, an eviction behind a pin) ends after it, with an EntryBusyError.
     fill_wait: float = 3600.0
     index_limit: int | None = None  # bytes of cached indexes; None: limit // 16, at least 16 MiB
     name: str = "cache"  # what the cache holds ("shards", "weights"), as reported to tierio.events
@@ -255,6 +256,10 @@ class EntryInfo:
 class Usage:
     present: int  # bytes of committed entries
     reserved: int  # bytes claimed by fills in flight
+
+
+class EntryBusyError(StorageError):
+    """Another process held a cache entry's lock for longer than a reader waits (``fill_wait``)."""
 
 
 class Pin:
@@ -313,7 +318,7 @@ class NodeCache:
         evicted = 0
         deadline = time.monotonic() + self.options.fill_wait
         while evicted < _ATTEMPTS:
-            pin = self._pin_if_usable(name, kind, usable)
+            pin = self._pin_if_usable(name, kind, usable, key, deadline)
             if pin is not None:
                 events.emit(events.CacheLookup(self.options.name, True))
                 return pin
@@ -334,8 +339,9 @@ class NodeCache:
                 hit = self._usable(name, kind, usable)  # another process filled it while we waited
                 flush = False if hit else self._fill(name, kind, plan())
                 # Keep it pinned. flock converts a lock by dropping and re-taking it, so an evictor
-                # may slip in between: make sure the entry is still there.
-                fcntl.flock(fd, fcntl.LOCK_SH)
+                # may slip in between (and then fill it, or hang doing so): make sure the entry
+                # is still there, and wait for it no longer than the reader's wait.
+                self._lock_until(name, key, fcntl.LOCK_SH, deadline, fd)
             except BaseException:
                 release_fd(fd)
                 raise
@@ -351,9 +357,9 @@ class NodeCache:
         raise StorageError(f"{key} keeps being evicted from the cache at {self.root} before it can be used; "
                            "raise the cache limit or run fewer readers at once")
 
-    def _pin_if_usable(self, name: str, kind: Kind, usable: Callable[[Path], bool] | None) -> Pin | None:
-        fd = self._entry_lock(name, fcntl.LOCK_SH)  # waits while another process fills or replaces it
-        assert fd is not None
+    def _pin_if_usable(self, name: str, kind: Kind, usable: Callable[[Path], bool] | None, key: str,
+                       until: float) -> Pin | None:
+        fd = self._lock_until(name, key, fcntl.LOCK_SH, until)  # waits while another process fills or replaces it
         try:
             ok = self._usable(name, kind, usable)
         except BaseException:
@@ -366,10 +372,10 @@ class NodeCache:
         return Pin(name, self.entry_path(name), fd, True)
 
     def evict(self, key: str) -> bool:
-        """Remove ``key``'s entry, waiting until no process uses it; False if it was not cached."""
+        """Remove ``key``'s entry, waiting until no process uses it (at most ``fill_wait``); False if
+        it was not cached."""
         name = entry_name(key)
-        fd = self._entry_lock(name, fcntl.LOCK_EX)
-        assert fd is not None
+        fd = self._lock_until(name, key, fcntl.LOCK_EX, time.monotonic() + self.options.fill_wait)
         try:
             return self._drop(name)
         finally:
@@ -450,6 +456,42 @@ class NodeCache:
                 return fd
             release_fd(fd)
         raise StorageError(f"the lock of {name} in {self.root} keeps being removed; check what else writes there")
+
+    def _lock_until(self, name: str, key: str, mode: int, until: float, fd: int | None = None) -> int:
+        """The entry's lock in ``mode`` (LOCK_SH or LOCK_EX), or on ``fd`` (held: converted), polled
+        with LOCK_NB until ``until`` (monotonic). flock itself waits for ever, and a holder that hangs
+        (a stalled download, NFS in uninterruptible I/O, a stopped process) would hold up every
+        process of the node that wants this entry; EntryBusyError instead, naming the holder."""
+        pause = 0.001
+        while True:
+            if fd is None:
+                got = self._entry_lock(name, mode | fcntl.LOCK_NB)
+            else:
+                try:  # a failed conversion holds no lock at all: the next try takes it afresh
+                    fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                    got = fd
+                except BlockingIOError:
+                    got = None
+            if got is not None:
+                return got
+            if time.monotonic() >= until:
+                raise self._busy(name, key, mode)
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL)  # quick for the usual short fill, cheap for a long one
+
+    def _busy(self, name: str, key: str, mode: int) -> EntryBusyError:
+        lock = self.root / LOCKS / f"{name}.lock"
+        holders = ", ".join(f"pid {pid} ({how}, {_command(pid)})" for pid, how in lock_holders(lock)) or "another process"
+        try:
+            fill = f"; it claimed room for a fill {time.time() - os.stat(self.root / RESERVE / name).st_mtime:.0f} s ago"
+        except OSError:
+            fill = ""
+        want = "use" if mode == fcntl.LOCK_SH else "evict"
+        return EntryBusyError(
+            f"gave up waiting {self.options.fill_wait:g} s (CacheOptions.fill_wait) to {want} the cache entry of {key} "
+            f"at {self.entry_path(name)}: {holders} holds its lock {lock}{fill}. A fill or eviction that does not end "
+            "is stuck (a stalled download, a hung mount, a stopped process): end that process (the kernel then drops "
+            "its lock) or, for a fill that is only slow, raise fill_wait")
 
     @contextmanager
     def _cache_lock(self) -> Iterator[None]:
@@ -725,6 +767,33 @@ def boot_time() -> float | None:
     return None
 
 
+def lock_holders(path: Path) -> list[tuple[int, str]]:
+    """(pid, "exclusive" or "shared") of every flock held on ``path``'s file, from /proc/locks
+    (Linux; empty elsewhere or when it cannot be read). Waiters are left out."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    out = []
+    for line in lines:  # "3: FLOCK  ADVISORY  WRITE 4242 00:2e:913 0 EOF"; a waiter has "->" after "3:"
+        f = line.split()
+        if len(f) >= 6 and f[1] == "FLOCK" and f[5] == inode and f[4].isdigit():
+            out.append((int(f[4]), "exclusive" if f[3] == "WRITE" else "shared"))
+    return out
+
+
+def _command(pid: int) -> str:
+    """The process's name (not its command line, which may hold secrets), for messages."""
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            return f.read(64).decode(errors="replace").strip() or "?"
+    except OSError:
+        return "not visible here"
+
+
 def _tree_bytes(path: str) -> int:
     """Bytes of the regular files under a directory (links are not followed, nor counted)."""
     total = 0
@@ -750,6 +819,6 @@ def make_parents(root: Path, key: str, where: str) -> Path:
 
 
 __all__ = [
-    "CacheOptions", "EntryInfo", "FillPlan", "Kind", "NodeCache", "Pin", "Usage", "entry_name", "make_parents",
-    "release_fd",
+    "CacheOptions", "EntryBusyError", "EntryInfo", "FillPlan", "Kind", "NodeCache", "Pin", "Usage", "entry_name",
+    "lock_holders", "make_parents", "release_fd",
 ]

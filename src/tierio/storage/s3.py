@@ -51,19 +51,20 @@ from tierio.storage.deadline import Deadline, backoff, run_all
 from tierio.storage.s3_errors import (
     FAILURES,
     ShortBody,
+    SlowBody,
     Target,
     classify,
     client_error_code,
     field,
 )
 from tierio.storage.url import check_endpoint
-from tierio.units import MiB
+from tierio.units import MiB, fmt_rate
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 UPLOAD_PAGE = 1000  # multipart uploads asked for per listing page (the S3 maximum)
 EXPECT_WAIT = 1.0  # botocore waits this long for "100 Continue" before it sends an upload's body anyway
-READ_CHUNK = 1 * MiB  # a body is read in pieces so a cancelled call stops between them
+READ_CHUNK = 1 * MiB  # the most one read of a body asks for; each returns what one socket read got
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,11 @@ class S3Options:
     completing a request. One attempt of a request takes at most ``connect_timeout`` to connect and
     ``read_timeout`` of silence; both are shortened to fit in ``timeout``, and a request is tried
     again (up to ``max_attempts``) only when a whole attempt still fits before the deadline.
+
+    A body that keeps arriving, but slowly (a server dripping bytes under ``read_timeout``), is
+    cut off too: one request for ``n`` bytes may take ``attempt_seconds + n / min_rate`` seconds
+    (bytes per second), and never past the call's deadline. Its rest is then asked for again
+    when another attempt still fits.
     """
 
     part_size: int = 8 * MiB
@@ -82,16 +88,18 @@ class S3Options:
     timeout: float = 60.0
     connect_timeout: float = 5.0
     read_timeout: float = 20.0
+    min_rate: float = 1.0 * MiB
 
     def checked(self) -> S3Options:
         for name in ("part_size", "concurrency", "max_attempts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"S3 option {name}={value!r} must be a positive integer")
-        for name in ("timeout", "connect_timeout", "read_timeout"):
+        for name in ("timeout", "connect_timeout", "read_timeout", "min_rate"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ConfigError(f"S3 option {name}={value!r} must be a positive number of seconds")
+                unit = "bytes per second" if name == "min_rate" else "seconds"
+                raise ConfigError(f"S3 option {name}={value!r} must be a positive number of {unit}")
         connect = min(self.connect_timeout, self.timeout / 4)
         return replace(
             self,
@@ -104,6 +112,10 @@ class S3Options:
     def attempt_seconds(self) -> float:
         """The longest one attempt of a request can wait on a silent endpoint."""
         return self.connect_timeout + EXPECT_WAIT + self.read_timeout
+
+    def request_seconds(self, nbytes: int) -> float:
+        """The longest one attempt of a request for a body of ``nbytes`` may take, start to end."""
+        return self.attempt_seconds + nbytes / self.min_rate
 
 
 def s3_options(options: S3Options | None, overrides: dict[str, Any]) -> S3Options:
@@ -382,6 +394,7 @@ class S3Store:
         def attempt() -> None:
             nonlocal got, etag
             want = f"bytes={offset + got}-{offset + n - 1}"
+            pace, before = Pace(deadline, self.options, n - got), got  # from the request's start
             try:
                 same = {"IfMatch": etag} if etag else {}
                 r = self.client.get_object(Bucket=self.bucket, Key=full, Range=want, **same)
@@ -402,9 +415,8 @@ class S3Store:
                         "it is shorter than expected (it changed size, or the size recorded for it is wrong)")
                 raw = getattr(body, "_raw_stream", body)
                 while got < n:
-                    deadline.check()
-                    piece = view[got : min(n, got + READ_CHUNK)]
-                    k = raw.readinto(piece) if hasattr(raw, "readinto") else _read_to(raw, piece)
+                    pace.check(got - before)
+                    k = read_some(raw, view[got : min(n, got + READ_CHUNK)])
                     if not k:
                         break
                     got += k
@@ -619,13 +631,14 @@ class S3Store:
         deadline = self._deadline()
 
         def attempt() -> bytes:
+            pace = Pace(deadline, self.options, limit + 1)
             r = self.client.get_object(Bucket=self.bucket, Key=full, Range=f"bytes=0-{limit}")
             body = r["Body"]
             try:
                 out = bytearray()
                 while len(out) <= limit:
-                    deadline.check()
-                    piece = body.read(min(READ_CHUNK, limit + 1 - len(out)))
+                    pace.check(len(out))
+                    piece = read_piece(getattr(body, "_raw_stream", body), min(READ_CHUNK, limit + 1 - len(out)))
                     if not piece:
                         break
                     out += piece
@@ -659,7 +672,44 @@ def _safe_key(key: str) -> bool:
         return False
 
 
-def _read_to(stream: Any, view: memoryview) -> int:
-    data = stream.read(len(view))
+class Pace:
+    """The time one attempt of a request may still read its body: at most
+    ``options.request_seconds(nbytes)`` from now, and never past the call's ``deadline``.
+
+    Timeouts bound silence only: a server that sends a byte now and then under ``read_timeout``
+    would keep a read alive for ever. ``check`` between the pieces of a body ends it instead."""
+
+    def __init__(self, deadline: Deadline, options: S3Options, nbytes: int) -> None:
+        self.deadline, self.nbytes, self.min_rate = deadline, nbytes, options.min_rate
+        self.started = time.monotonic()
+        self.until = self.started + options.request_seconds(nbytes)
+
+    def check(self, got: int) -> None:
+        """Raise when the call is cancelled (Cancelled), or when the body, ``got`` of ``nbytes``
+        bytes read so far in this attempt, is out of time (SlowBody: its rest may be asked again)."""
+        self.deadline.check()
+        now = time.monotonic()
+        if now < self.until and self.deadline.remaining() > 0:
+            return
+        took = now - self.started
+        rate = fmt_rate(got / took) if took > 0 else "no bytes"
+        why = (f"only {got} of {self.nbytes} bytes of the body arrived in {took:.1f} s ({rate}), slower than the "
+               f"minimum of {fmt_rate(self.min_rate)} (S3Options.min_rate)") if now >= self.until else (
+               f"the call's deadline ran out with {got} of {self.nbytes} bytes of the body read in {took:.1f} s ({rate})")
+        raise SlowBody(why)
+
+
+def read_some(stream: Any, view: memoryview) -> int:
+    """Read into ``view`` what one read of the socket returns (at least a byte, 0 at the end).
+
+    One read, not "until ``view`` is full" as ``readinto`` does: a body that drips then returns to
+    its caller's deadline check byte by byte instead of holding it for the whole piece."""
+    data = read_piece(stream, len(view))
     view[: len(data)] = data
     return len(data)
+
+
+def read_piece(stream: Any, n: int) -> bytes:
+    """At most ``n`` bytes, from one read of the socket (b"" at the end); see ``read_some``."""
+    read1 = getattr(stream, "read1", None)
+    return read1(n) if read1 is not None else stream.read(n)

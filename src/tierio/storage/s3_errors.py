@@ -43,6 +43,11 @@ class ShortBody(StoreUnavailableError):
     """The connection ended before the body the server announced was complete."""
 
 
+class SlowBody(ShortBody):
+    """A body kept arriving too slowly for its request's time (or its call's deadline): the rest
+    is asked for again, as for a dropped connection, while another attempt still fits."""
+
+
 @dataclass(frozen=True)
 class Failure:
     """One failed attempt: the typed error to raise, and whether another attempt may succeed."""

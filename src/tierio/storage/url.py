@@ -5,12 +5,15 @@
     s3://bucket/prefix                    S3Store, endpoint from AWS_ENDPOINT_URL (or AWS)
     s3://bucket/prefix?endpoint=http://127.0.0.1:8333&region=us-east-1&timeout=30
 
-``timeout`` is the S3 store's deadline in seconds (see ``S3Options``).
+``timeout`` is the S3 store's deadline in seconds (see ``S3Options``). A URL never holds
+credentials (``user:password@``): URLs are logged, printed in errors and used as metric labels,
+so credentials come from the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse, urlsplit
@@ -19,6 +22,17 @@ from tierio.errors import ConfigError
 from tierio.storage.base import Store
 from tierio.storage.local import LocalStore
 
+_USERINFO = re.compile(r"(://)[^/?#@\s]*@")  # the "user:password@" after a scheme, wherever it is in a URL
+CREDENTIALS_HINT = ("URLs are logged, shown in errors and used as metric labels, so give S3 credentials as "
+                    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment or an AWS profile (AWS_PROFILE), "
+                    "never in a URL")
+
+
+def redact(url: str) -> str:
+    """``url`` without any ``user:password@`` (also inside an ``endpoint=`` of its query): safe to
+    log and to use as a label."""
+    return _USERINFO.sub(r"\1", url)
+
 
 def open_store(url: str | Path, **options: Any) -> Store:
     """Open the store a URL or path names; ``options`` go to the store's constructor."""
@@ -26,6 +40,8 @@ def open_store(url: str | Path, **options: Any) -> Store:
     if "://" not in text:
         return LocalStore(text, **options)
     u = urlparse(text)
+    if "@" in u.netloc:
+        raise ConfigError(f"the store URL {redact(text)} holds credentials (user:password@); {CREDENTIALS_HINT}")
     if u.scheme == "file":
         if u.netloc not in ("", "localhost"):
             raise ConfigError(f"{text}: file URLs must be file:///absolute/path")
@@ -38,7 +54,7 @@ def open_store(url: str | Path, **options: Any) -> Store:
         if not u.netloc:
             raise ConfigError(f"{text}: an S3 URL needs a bucket: s3://BUCKET/prefix")
         if "endpoint" in q:
-            check_endpoint(q["endpoint"], f"the store URL {text}")
+            check_endpoint(q["endpoint"], f"the store URL {redact(text)}")
         if "timeout" in q:
             options = {"timeout": _seconds(q["timeout"], text), **options}
         from tierio.storage.s3 import S3Store  # boto3 is imported only for S3 URLs
@@ -64,7 +80,10 @@ def check_endpoint(endpoint: str, source: str = "endpoint=") -> str:
         u = urlsplit(endpoint)
         _ = u.port  # raises ValueError for a port that is not a number in 0..65535
     except ValueError as exc:
-        raise ConfigError(f"S3 endpoint {endpoint!r} (from {source}) is not a valid URL ({exc}); {hint}") from None
+        raise ConfigError(f"S3 endpoint {redact(endpoint)!r} (from {source}) is not a valid URL ({exc}); {hint}") from None
+    if "@" in u.netloc:
+        raise ConfigError(f"S3 endpoint {redact(endpoint)!r} (from {source}) holds credentials (user:password@); "
+                          f"{CREDENTIALS_HINT}")
     if u.scheme not in ("http", "https") or not u.hostname or u.query or u.fragment:
         raise ConfigError(f"S3 endpoint {endpoint!r} (from {source}) is not an http(s) URL with a host; {hint}")
     return endpoint
