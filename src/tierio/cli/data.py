@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tierio.cli.output import print_json, print_table
 from tierio.cli.parsers import action_group
+from tierio.errors import ConfigError
 from tierio.units import human_bytes
 
 EPILOG = """\
@@ -23,7 +24,7 @@ examples:
   tierio data build data/ corpus --text-column text --tokenizer tokenizer.json
                                                         every .parquet under data/, text tokenized locally
   tierio data inspect corpus --json                     counts, dtype, length percentiles
-  tierio data merge all part1 part2 part3               concatenate datasets (same dtype)
+  tierio data merge part1 part2 part3 all               concatenate datasets (same dtype) into `all`
   tierio data pack corpus --seq-len 4096                plan best-fit-decreasing packs -> corpus.pack4096.npz
   tierio data pack corpus --seq-len 4096 --shards s3://bucket/packed?endpoint=http://127.0.0.1:8333
                                                         ... and write the packs as 64 MiB shards
@@ -52,6 +53,7 @@ def register(sub) -> None:
     b.add_argument("--text-column", help="Parquet column of text, tokenized with --tokenizer")
     b.add_argument("--vocab-size", type=int, help="vocabulary size: picks uint16 below 65,500, else int32")
     b.add_argument("--append-eos", type=int, metavar="ID", help="append this token id to every document")
+    b.add_argument("--force", action="store_true", help="replace the output dataset if it exists")
     b.add_argument("--json", action="store_true", help="print JSON")
     b.set_defaults(handler=_build)
 
@@ -60,9 +62,18 @@ def register(sub) -> None:
     i.add_argument("--json", action="store_true", help="print JSON")
     i.set_defaults(handler=_inspect)
 
-    m = ds.add_parser("merge", help="concatenate datasets into one")
-    m.add_argument("output", help="output prefix")
-    m.add_argument("inputs", nargs="+", help="input prefixes, in order")
+    m = ds.add_parser("merge", help="concatenate datasets into one (sources first, destination last)",
+                      description="Concatenate datasets of the same dtype, documents in the order given. As in "
+                                  "`build`, the sources come first and the destination last; an existing "
+                                  "destination is replaced only with --force.",
+                      epilog="examples:\n"
+                             "  tierio data merge part1 part2 part3 all     part1..3 -> all.bin + all.idx\n"
+                             "  tierio data merge part1 part2 all --force   replace an existing dataset `all`\n\n"
+                             "The old order (`merge OUT IN...`) still works for one release, with a warning, when "
+                             "it is\nunambiguous: OUT does not exist yet and every IN does.",
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    m.add_argument("paths", nargs="+", metavar="PREFIX", help="input dataset prefixes in order, then the output prefix")
+    m.add_argument("--force", action="store_true", help="replace the output dataset if it exists")
     m.add_argument("--json", action="store_true", help="print JSON")
     m.set_defaults(handler=_merge)
 
@@ -119,6 +130,7 @@ def _build(args) -> int:
         from tierio.data.parquet import ParquetColumns
 
         parquet = ParquetColumns(ids=args.column, text=args.text_column, tokenizer=args.tokenizer, append_eos=args.append_eos)
+    _refuse_overwrite(args.output, args.force)
     t0 = time.perf_counter()
     st = build_inputs(args.inputs, args.output, vocab_size=args.vocab_size, parquet=parquet, progress=_ParquetProgress(t0),
                       key=args.key, tokenizer=args.tokenizer, text_key=args.text_key, append_eos=args.append_eos).to_dict()
@@ -154,10 +166,48 @@ def _inspect(args) -> int:
     return 0
 
 
+def _is_dataset(prefix: str) -> bool:
+    """Does a dataset (or half of one) exist under this prefix? Either file counts: both get replaced."""
+    from tierio.data.indexed import bin_path, idx_path, strip_suffix
+
+    p = strip_suffix(prefix)
+    return bin_path(p).exists() or idx_path(p).exists()
+
+
+def _refuse_overwrite(prefix: str, force: bool) -> None:
+    """Writers replace a dataset only when told to, and say what they would replace."""
+    if force or not _is_dataset(prefix):
+        return
+    from tierio.data.indexed import bin_path, idx_path, strip_suffix
+
+    p = strip_suffix(prefix)
+    what = ", ".join(f"{f} ({human_bytes(f.stat().st_size)})" for f in (bin_path(p), idx_path(p)) if f.exists())
+    raise ConfigError(f"{p} is an existing dataset ({what}); the output comes last and is not overwritten "
+                      "without --force")
+
+
+def merge_order(paths: list[str]) -> tuple[list[str], str, bool]:
+    """Sources and destination of `data merge PATH...`: (inputs, output, old_order).
+
+    The destination is last, as in `build`. The old order (destination first) is taken only when
+    nothing else can be meant: the first path is no dataset and every other one is. Anything else
+    is read in the new order, where the overwrite guard stops a mistaken destination."""
+    if len(paths) < 2:
+        raise ConfigError("merge needs at least one input and an output: tierio data merge IN [IN ...] OUT")
+    if not _is_dataset(paths[0]) and all(_is_dataset(p) for p in paths[1:]):
+        return paths[1:], paths[0], True
+    return paths[:-1], paths[-1], False
+
+
 def _merge(args) -> int:
     from tierio.data.builder import merge_indexed
 
-    _show(f"merged into {args.output}", merge_indexed(args.inputs, args.output).to_dict(), args.json)
+    inputs, output, old = merge_order(args.paths)
+    if old:
+        print(f"tierio data merge: warning: the output first (merge OUT IN...) is deprecated and will be removed; "
+              f"write it last: tierio data merge {' '.join(inputs)} {output}", file=sys.stderr)
+    _refuse_overwrite(output, args.force)
+    _show(f"merged into {output}", merge_indexed(inputs, output).to_dict(), args.json)
     return 0
 
 
