@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from tierio.cli.output import console, print_json, print_table
+from tierio.cli.output import print_json, print_table, say, styled
 from tierio.cli.parsers import action_group
 from tierio.errors import ConfigError, NotFoundError
 from tierio.units import fmt_rate, human_bytes, parse_size
@@ -173,23 +173,22 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print_json(result)
         return 0
     if not rows and not bad:
-        console().print(f"no committed checkpoint in {args.url}")
+        say(f"no committed checkpoint in {args.url}")
     else:
         print_table(f"Checkpoints in {args.url}", ["step", "time (UTC)", "ranks", "tensors", "size"],
                     [[r["step"], r["time"][:19].replace("T", " "), r["world_size"], "—" if r["tensors"] is None else r["tensors"],
                       human_bytes(r["bytes"])] for r in rows])
-    out = console(stderr=True)
     for b in bad:
-        out.print(f"[yellow]step {b['step']}: unreadable manifest: {b['problem']}[/yellow]")
+        say(styled(f"step {b['step']}: unreadable manifest: {b['problem']}", "yellow"), err=True)
     if partial:
-        out.print(f"{len(partial)} step director{'y' if len(partial) == 1 else 'ies'} without a manifest "
+        say(f"{len(partial)} step director{'y' if len(partial) == 1 else 'ies'} without a manifest "
                   f"(uncommitted, never restored): {', '.join(map(str, partial[:10]))}"
-                  + (" ..." if len(partial) > 10 else ""))
+                  + (" ..." if len(partial) > 10 else ""), err=True)
     if held:
-        out.print(f"{len(held)} deleted step{'s' if len(held) > 1 else ''} whose shards later checkpoints still refer to "
-                  f"(incremental): {', '.join(map(str, sorted(held)[:10]))}" + (" ..." if len(held) > 10 else ""))
+        say(f"{len(held)} deleted step{'s' if len(held) > 1 else ''} whose shards later checkpoints still refer to "
+                  f"(incremental): {', '.join(map(str, sorted(held)[:10]))}" + (" ..." if len(held) > 10 else ""), err=True)
     if lease is not None:
-        out.print(f"write lease: {lease['holder']}" + (f" [stale: {lease['stale']}]" if lease["stale"] else ""))
+        say(f"write lease: {lease['holder']}" + (f" [stale: {lease['stale']}]" if lease["stale"] else ""), err=True)
     return 0
 
 
@@ -301,12 +300,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 0 if ok else 1
     print_table(f"Verification of {args.url}", ["step", "result", "bytes checked", "problems"],
                 [[r.step, "ok" if r.ok else "BAD", human_bytes(r.bytes_checked), len(r.problems)] for r in reports])
-    err = console(stderr=True)
     for r in reports:
         for p in r.problems[:20]:
-            err.print(f"[red]step {r.step}[/red]: {p.file}" + (f" [{p.chunk}]" if p.chunk else "") + f": {p.message}")
+            say(styled(f"step {r.step}", "red"), f": {p.file}" + (f" [{p.chunk}]" if p.chunk else "") + f": {p.message}",
+                err=True)
     if not ok:
-        err.print("a bad copy must not be restored from this tier; restore from another tier or an older step")
+        say("a bad copy must not be restored from this tier; restore from another tier or an older step", err=True)
     return 0 if ok else 1
 
 
@@ -341,7 +340,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
         print_json({"src": args.src, "dst": args.dst, "promoted": done})
         return 0
     if not done:
-        console().print(f"nothing to promote: {args.dst} already holds every checkpoint of {args.src}")
+        say(f"nothing to promote: {args.dst} already holds every checkpoint of {args.src}")
         return 0
     print_table(f"Promoted {args.src} -> {args.dst}", ["step", "size", "time", "rate"], [
         [d["step"], human_bytes(d["bytes"]), f"{d['seconds']:.2f} s" if not d["skipped"] else d["skipped"],
@@ -373,19 +372,17 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print_json(result)
         return 1 if report.skipped else 0
     verb = "would delete" if args.dry_run else "deleted"
-    out = console()
-    out.print(f"retention {policy} on {args.url}: {verb} {len(doomed)} checkpoint(s)"
+    say(f"retention {policy} on {args.url}: {verb} {len(doomed)} checkpoint(s)"
               + (f" and {len(partial)} uncommitted director{'y' if len(partial) == 1 else 'ies'}" if partial else ""))
     if doomed:
-        out.print(f"  {verb}: steps {', '.join(map(str, doomed))}")
+        say(f"  {verb}: steps {', '.join(map(str, doomed))}")
     if report.leftovers:
-        out.print(f"  removed {report.leftovers} leftover(s) of interrupted writes (temp files, uploads)")
-    out.print(f"  kept: steps {', '.join(map(str, kept)) or 'none'}")
-    err = console(stderr=True)
+        say(f"  removed {report.leftovers} leftover(s) of interrupted writes (temp files, uploads)")
+    say(f"  kept: steps {', '.join(map(str, kept)) or 'none'}")
     for w in report.warnings:
-        err.print(f"[yellow]warning[/yellow]: {w}")
+        say(styled("warning", "yellow"), f": {w}", err=True)
     for s in report.skipped:
-        err.print(f"[red]error[/red]: {s.reason}")
+        say(styled("error", "red"), f": {s.reason}", err=True)
     sys.stdout.flush()
     return 1 if report.skipped else 0
 
@@ -405,7 +402,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         print_json({"url": args.url, "step": report.step, "out": report.out, "tensors": report.tensors,
                     "bytes": report.bytes, "files": report.files})
         return 0
-    console().print(f"exported step {report.step} of {args.url}: {report.tensors} tensors, {human_bytes(report.bytes)} "
+    say(f"exported step {report.step} of {args.url}: {report.tensors} tensors, {human_bytes(report.bytes)} "
                     f"in {len(report.files) - 1} file(s) and {report.files[-1]} -> {report.out}")
     return 0
 
@@ -423,7 +420,7 @@ def cmd_unlock(args: argparse.Namespace) -> int:
                                                                                "pid": holder.pid}})
         return 0
     if holder is None:
-        console().print(f"{args.url} has no lease (or only an unreadable one, now removed)")
+        say(f"{args.url} has no lease (or only an unreadable one, now removed)")
     else:
-        console().print(f"removed the lease of run {holder.run} (host {holder.host}, pid {holder.pid}) from {args.url}")
+        say(f"removed the lease of run {holder.run} (host {holder.host}, pid {holder.pid}) from {args.url}")
     return 0

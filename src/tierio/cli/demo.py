@@ -8,8 +8,9 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
-from tierio.cli.output import console, print_json, print_table
+from tierio.cli.output import print_json, print_table, say, styled
 from tierio.units import fmt_rate, human_bytes
 
 EXAMPLES = """\
@@ -98,18 +99,17 @@ class DemoProgress:
             self.bar.stop()
             self.bar = None
 
-    def say(self, text: str) -> None:
-        if self.bar is not None:
-            self.bar.console.print(text)
-        else:
-            self.err.print(text)
+    def say(self, *parts: str | Text) -> None:
+        """A line of plain text (paths from data are never read as markup) and ``styled`` pieces."""
+        line = Text.assemble(*parts)
+        (self.bar.console if self.bar is not None else self.err).print(line, overflow="fold")
 
     def __call__(self, event: str, info: dict[str, Any]) -> None:
         getattr(self, f"on_{event}", lambda i: None)(info)
 
     def on_start(self, i: dict[str, Any]) -> None:
         params = f"{i['params'] / 1e6:.1f} M" if i["params"] >= 1e6 else f"{i['params']:,}"
-        self.say(f"[bold]tierio demo[/bold]: GPT with {params} parameters, "
+        self.say(styled("tierio demo", "bold"), f": GPT with {params} parameters, "
                  f"~{human_bytes(i['state_bytes'])} per checkpoint")
         for name, url in zip(("local NVMe", "shared FS", "archive"), i["urls"]):
             self.say(f"  tier {name:<10} {url}")
@@ -132,7 +132,7 @@ class DemoProgress:
             tenth = int(10 * done / self.total) if self.total else 10
             if tenth > self.last_line:
                 self.last_line = tenth
-                self.err.print(f"  step {i['step']:>5}  loss {i['loss']:.3f}  ({i['elapsed']:.0f} s)")
+                self.say(f"  step {i['step']:>5}  loss {i['loss']:.3f}  ({i['elapsed']:.0f} s)")
 
     def on_save(self, i: dict[str, Any]) -> None:
         note = f"checkpoint {i['step']}: blocked {i['blocking_s'] * 1e3:.0f} ms"
@@ -141,7 +141,7 @@ class DemoProgress:
         if self.bar is not None:
             self.bar.update(self.task, note=note)
         else:
-            self.err.print(f"  {note}")
+            self.say(f"  {note}")
 
     def on_drain(self, i: dict[str, Any]) -> None:
         self._stop()
@@ -151,14 +151,13 @@ class DemoProgress:
         self.say(f"measuring a synchronous torch.save + fsync of the same {human_bytes(i['state_bytes'])} ...")
 
     def on_disk_lost(self, i: dict[str, Any]) -> None:
-        self.say(f"[bold red]simulated failure[/bold red]: the node's local disk is gone (deleted {i['path']})")
+        self.say(styled("simulated failure", "bold red"), f": the node's local disk is gone (deleted {i['path']})")
 
     def on_restored(self, i: dict[str, Any]) -> None:
         self.say(f"restored step {i['step']} from {i['from']} in {i['seconds']:.2f} s; resuming ...")
 
 
 def print_summary(d: dict[str, Any]) -> None:
-    out = console()
     print_table("Training", ["", "value"], [
         ["model parameters", f"{d['model_params'] / 1e6:.1f} M" if d["model_params"] >= 1e6 else f"{d['model_params']:,}"],
         ["checkpoint size", human_bytes(d["state_bytes"])],
@@ -197,15 +196,15 @@ def print_summary(d: dict[str, Any]) -> None:
         ["bit-exact with the uninterrupted run", "yes" if d["bit_exact"] else "NO"],
     ])
     if d["bit_exact"]:
-        out.print("[green]OK[/green]: the resumed run matches the uninterrupted run bit for bit "
+        say(styled("OK", "green"), ": the resumed run matches the uninterrupted run bit for bit "
                   "(every parameter, optimizer moment, RNG state and loss).")
     else:
-        out.print("[red]FAILED[/red]: the resumed run differs from the uninterrupted run:")
+        say(styled("FAILED", "red"), ": the resumed run differs from the uninterrupted run:")
         for m in d["mismatches"][:10]:
-            out.print(f"  {m}")
+            say(f"  {m}")
     for e in d.get("promotion_errors", []):
-        out.print(f"[red]promotion failed[/red]: {e}")
+        say(styled("promotion failed", "red"), f": {e}")
     shared = next((t["url"] for t in d["tiers"] if t["role"] == "shared-fs"), None)
     if shared:
-        out.print(f"inspect the checkpoints: tierio ckpt ls {shared}")
+        say(f"inspect the checkpoints: tierio ckpt ls {shared}")
     sys.stdout.flush()

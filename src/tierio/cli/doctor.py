@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from rich.markup import escape
-
-from tierio.plan.quantities import parse_duration
-
 EXAMPLES = """\
 examples:
   tierio doctor /lustre/checkpoints /lustre/datasets/web
@@ -50,11 +46,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from tierio.cli.output import console, print_json, print_table
     import json
     import os
 
+    from tierio.cli.output import print_json, print_table, say, styled
     from tierio.diag.doctor import counts, diagnose, load_recording, load_timer_file, record
+    from tierio.plan.quantities import parse_duration
 
     if args.replay:
         rec = load_recording(args.replay)
@@ -74,8 +71,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"findings": [asdict(f) for f in findings], "counts": tally})
     else:
-        rows = [[escape(f.check), escape(f.target), f"[{_STYLE[f.verdict]}]{f.verdict}[/]", escape(f.detail),
-                 escape(f.fix)] for f in findings]
-        print_table("tierio doctor", ["check", "target", "verdict", "detail", "fix"], rows)
-        console().print(", ".join(f"{n} {v}" for v, n in tally.items()))
+        # one table per target (a path is long; as a column it would take the width the details need),
+        # the fixes as numbered notes below each: commands to copy stay whole
+        targets = list(dict.fromkeys(f.target for f in findings))
+        for target in targets:
+            print_table(f"tierio doctor: {target}", ["check", "verdict", "detail", "fix"],
+                        [[f.check, styled(f.verdict, _STYLE[f.verdict]), f.detail, f.fix]
+                         for f in findings if f.target == target])
+        say(", ".join(f"{n} {v}" for v, n in tally.items()))
     return 3 if tally["alert"] else 0

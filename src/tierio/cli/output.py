@@ -1,29 +1,124 @@
-"""Tables for people and JSON for machines, shared by every command."""
+"""Tables for people and JSON for machines, shared by every command: the one output module.
+
+Every text that comes from data (paths, URLs, tensor names, messages of errors) is printed as plain
+text, never parsed as rich markup: ``[tensor 'w' chunk 0]`` or ``/data/exp[v2]`` stay what they are.
+Commands style their own words with ``styled`` and print lines with ``say``; tables fold long cells
+at spaces instead of cutting them, and move long note columns below the table as numbered notes.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
+from rich.text import Text
+
+# columns whose texts are explanations, not figures: printed below the table as numbered notes
+NOTE_COLUMNS = ("note", "fix")
+# a cell that is a figure (a number with an optional unit, a price, a dash): right-aligned
+_FIGURE = re.compile(r"^([~≈<>+-]?\$?[\d][\d.,]*( ?[^\s\d]{1,6})?( / [\d][\d.,]*( ?[^\s\d]{1,6})?)*|[-—]|)$")
 
 
 def console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, highlight=False)
 
 
+def styled(text: Any, style: str) -> Text:
+    """A command's own emphasis (``styled("BAD", "red")``); the text itself is never markup."""
+    return Text(str(text), style=style)
+
+
+def say(*parts: str | Text, err: bool = False) -> None:
+    """Print a line assembled from plain strings and ``styled`` pieces, wrapped at spaces only."""
+    console(stderr=err).print(Text.assemble(*parts), overflow="fold")
+
+
+def cell(value: Any) -> Text:
+    """A value as a person reads it: None and booleans as words, everything else as plain text."""
+    if isinstance(value, Text):
+        return value
+    if value is None:
+        return Text("-")
+    if isinstance(value, bool):
+        return Text("yes" if value else "no")
+    return Text(str(value))
+
+
 def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
-    table = Table(title=title, title_justify="left")
+    """A table that is readable at any width, 80 columns included.
+
+    Cells wrap at spaces and fold only a word wider than its whole column (never an ellipsis);
+    figures are right-aligned, text left-aligned. A last column named "note" or "fix" goes below
+    the table as numbered notes, its number ``[n]`` after the row's first cell."""
+    columns = list(columns)
+    body = [[cell(c) for c in row] for row in rows]
+    notes: list[Text] = []
+    if len(columns) > 1 and columns[-1] in NOTE_COLUMNS:
+        # the note leaves the table; its number goes on the row's first cell: a whole column saved
+        columns.pop()
+        for row in body:
+            note = row.pop() if len(row) > len(columns) else Text("")
+            if note.plain.strip():
+                notes.append(note)
+                row[0] = Text.assemble(row[0], f" [{len(notes)}]")
+    out = console()
+    # the title on lines of its own, wrapped at spaces: a URL in it is not cut at the table's width
+    out.print(Text(title, style="bold"), overflow="fold")
+    table = Table(show_header=True, header_style="bold")
+    frame = 3 * len(columns) + 1  # a border and two spaces of padding per column, one border more
+    widths = _widths([[Text(c) for c in columns], *body], out.width - frame)
     for i, col in enumerate(columns):
-        table.add_column(col, justify="left" if i == 0 else "right")
+        figures = [r[i].plain for r in body if i < len(r)]
+        right = i > 0 and bool(figures) and all(_FIGURE.match(f) for f in figures)
+        table.add_column(Text(col), justify="right" if right else "left", overflow="fold", no_wrap=False,
+                         width=None if widths is None else widths[i])
+    for row in body:
+        table.add_row(*row)
+    # when not even the longest words fit the screen, the table is printed wider than it rather
+    # than cutting them (a terminal wraps the lines; a pipe or a log keeps them)
+    out.print(table, width=max(out.width, sum(widths) + frame) if widths else None)
+    for n, note in enumerate(notes, 1):
+        out.print(Text.assemble(f"[{n}] ", note), overflow="fold")
+
+
+def _widths(rows: list[list[Text]], room: int) -> list[int] | None:
+    """Column widths that keep every word whole, or None when the table fits as it is.
+
+    rich shrinks the widest columns first when a table is too wide, which folds words (numbers,
+    tensor names, header words) even where narrower columns could have wrapped at a space. Here each
+    column gets at least its longest word, and the room left is shared out (see below)."""
+    ncols = max(len(r) for r in rows)
+    lo, hi = [1] * ncols, [1] * ncols
     for row in rows:
-        table.add_row(*[str(c) for c in row])
-    console().print(table)
+        for i, t in enumerate(row):
+            for line in t.plain.splitlines() or [""]:
+                hi[i] = max(hi[i], cell_len(line))
+                # a figure ("11.7 s", "$95.57") is one word: its number and unit stay on one line
+                words = [line] if _FIGURE.match(line) else line.split()
+                lo[i] = max(lo[i], *(cell_len(w) for w in words), 1)
+    if sum(hi) <= room:
+        return None
+    spare = room - sum(lo)
+    if spare <= 0:  # not even the words fit: keep them whole, the table is wider than the screen
+        return lo
+    # water-filling: the columns that want little get all of it (a short check name stays on one
+    # line), the wide ones share what is left equally
+    want = [h - low for h, low in zip(hi, lo)]
+    widths = list(lo)
+    order = sorted(range(ncols), key=lambda i: want[i])
+    for k, i in enumerate(order):
+        give = min(want[i], spare // (ncols - k))
+        widths[i] += give
+        spare -= give
+    return widths
 
 
 def print_json(obj: Any) -> None:

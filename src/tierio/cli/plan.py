@@ -191,7 +191,7 @@ def _sections(text: str | None) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tierio.cli.output import console, print_json, print_table
+    from tierio.cli.output import print_json, print_table, say
 
     sections = _sections(args.only)
     plan = build_plan(inputs_from_args(args))
@@ -202,5 +202,5 @@ def run(args: argparse.Namespace) -> int:
     for title, columns, rows in tables(plan, sections):
         print_table(title, columns, rows)
     for note in plan["notes"]:
-        console().print(f"note: {note}")
+        say(f"note: {note}")
     return 0

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
-
-from tierio.cli.output import print_json, print_table
-from tierio.diag.probe import probe_directory, probe_s3
+from tierio.cli.output import print_json, print_table, styled
+from tierio.cli.output import say as _say
 from tierio.units import fmt_rate, human_bytes, parse_size
 
 EPILOG = """\
@@ -36,8 +34,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    err = Console(stderr=True)
-    say = None if args.json else (lambda what: err.print(f"[dim]probing {what}…[/dim]"))
+    say = None if args.json else (lambda what: _say(styled(f"probing {what} ...", "dim"), err=True))
+    from tierio.diag.probe import probe_directory, probe_s3  # imports numpy and the stores: not for --help
+
     if args.target.startswith("s3://"):
         conc = tuple(int(c) for c in args.concurrency.split(","))
         report = probe_s3(args.target, parse_size(args.size or "256MiB"), conc, progress=say)

@@ -57,12 +57,18 @@ def cmd_inspect(args) -> int:
     if args.json:
         print_json(info)
         return 0
-    print_table(f"{info['source']} ({info['kind']})", ["file", "bytes", "tensors"],
-                [[f["file"], human_bytes(f["bytes"]), f["tensors"]] for f in info["files"]])
+    # tensor names are what --keys takes, so they get the width: a file is named once in the files
+    # table and referred to by its number (no file column at all for a single file)
+    number = {f["file"]: i for i, f in enumerate(info["files"], 1)}
+    print_table(f"{info['source']} ({info['kind']})", ["#", "file", "bytes", "tensors"],
+                [[number[f["file"]], f["file"], human_bytes(f["bytes"]), f["tensors"]] for f in info["files"]])
     tensors = list(info["tensors"].items())
     shown = tensors if args.all else tensors[:20]
-    print_table(f"tensors ({len(tensors)}, {human_bytes(info['tensor_bytes'])})", ["name", "dtype", "shape", "bytes", "file"],
-                [[n, t["dtype"], "x".join(map(str, t["shape"])) or "scalar", human_bytes(t["bytes"]), t["file"]] for n, t in shown])
+    several = len(number) > 1
+    print_table(f"tensors ({len(tensors)}, {human_bytes(info['tensor_bytes'])})",
+                ["name", "dtype", "shape", "bytes"] + (["file #"] if several else []),
+                [[n, t["dtype"], "x".join(map(str, t["shape"])) or "scalar", human_bytes(t["bytes"])]
+                 + ([number.get(t["file"], t["file"])] if several else []) for n, t in shown])
     if len(shown) < len(tensors):
         print(f"... {len(tensors) - len(shown)} more (--all lists every tensor)")
     return 0
