@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import math
+from collections.abc import Callable
 
 from tierio.cli.output import print_json, print_table
 
@@ -30,6 +32,31 @@ except rss_overhead where lower is better). Nothing is installed by the benchmar
 """
 
 
+def _lazy(base: type[argparse.ArgumentParser]) -> type[argparse.ArgumentParser]:
+    """A parser class whose arguments are added only when its command is on the line.
+
+    The benchmarks import torch (and more) at module level; `tierio --help` and `tierio bench
+    --help` must not pay for that, so a target's module is imported when argparse hands the rest of
+    the line to that target's parser, and never otherwise."""
+
+    class LazyTarget(base):  # type: ignore[misc, valid-type]
+        load: Callable[[argparse.ArgumentParser], None] | None = None
+
+        def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+            if self.load is not None:
+                load, self.load = self.load, None
+                load(self)
+            return super().parse_known_args(args, namespace)
+
+    return LazyTarget
+
+
+def _load_target(name: str, t: argparse.ArgumentParser) -> None:
+    module = importlib.import_module(f"tierio.bench.{name}")
+    t.description = (module.__doc__ or TARGETS[name]).strip()
+    module.add_arguments(t)
+
+
 def register(sub) -> None:
     p = sub.add_parser(
         "bench",
@@ -38,19 +65,15 @@ def register(sub) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    targets = p.add_subparsers(dest="target", metavar="TARGET", required=True)
+    targets = p.add_subparsers(dest="target", metavar="TARGET", required=True, parser_class=_lazy(type(p)))
     for name, help_text in TARGETS.items():
-        try:
-            module = importlib.import_module(f"tierio.bench.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"tierio.bench.{name}":
-                continue
-            raise
-        t = targets.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(),
+        if importlib.util.find_spec(f"tierio.bench.{name}") is None:
+            continue  # target not built yet
+        t = targets.add_parser(name, help=help_text, description=help_text,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(t)
+        t.load = lambda t, name=name: _load_target(name, t)
         t.add_argument("--json", action="store_true", help="print one JSON object (ratios and raw figures)")
-        t.set_defaults(handler=lambda args, m=module: _run(m, args))
+        t.set_defaults(handler=lambda args, name=name: _run(importlib.import_module(f"tierio.bench.{name}"), args))
 
 
 def _run(module, args) -> int:

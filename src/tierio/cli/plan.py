@@ -5,14 +5,31 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from typing import TYPE_CHECKING
+
+from tierio.cli.parsers import LazyHelp
 from tierio.errors import ConfigError
-from tierio.plan.measured import load_measured
 from tierio.plan.model import PRESETS, preset
 from tierio.plan.quantities import (
     parse_bytes, parse_count, parse_duration, parse_fraction, parse_money, parse_rate,
 )
-from tierio.plan.report import SECTIONS, PlanInputs, build_plan, tables
-from tierio.plan.serving import LOAD_PATHS
+
+if TYPE_CHECKING:
+    from tierio.plan.report import PlanInputs
+
+# the report and the serving model load numpy and the KV rule: imported when a plan is made
+
+
+def _sections_list() -> str:
+    from tierio.plan.report import SECTIONS
+
+    return ", ".join(SECTIONS)
+
+
+def _load_paths() -> str:
+    from tierio.plan.serving import LOAD_PATHS
+
+    return ", ".join(LOAD_PATHS)
 
 EXAMPLES = """\
 examples:
@@ -83,7 +100,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("serving")
     g.add_argument("--serve-dtype", default="fp8", help="weight dtype when serving (default fp8)")
     g.add_argument("--load-bw", action="append", default=[], metavar="PATH=RATE",
-                   help=f"override or add a load path bandwidth; paths: {', '.join(LOAD_PATHS)}")
+                   help=LazyHelp(lambda: f"override or add a load path bandwidth; paths: {_load_paths()}"))
     g.add_argument("--kv-dtype", default="fp8", help="KV-cache dtype (default fp8)")
     g.add_argument("--context", default="8192", help="context length in tokens (default 8192)")
     g.add_argument("--hbm-per-gpu", default="80GB", help="HBM per GPU (default 80GB)")
@@ -102,7 +119,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--micro-batch", default="32", help="sequences per micro-batch (default 32)")
     g.add_argument("--seq-len", default="4096", help="sequence length (default 4096)")
     g.add_argument("--loader-token-bytes", default="2", help="bytes per token in a batch (default 2)")
-    a("--only", help=f"comma-separated sections: {', '.join(SECTIONS)} (default all)")
+    a("--only", help=LazyHelp(lambda: f"comma-separated sections: {_sections_list()} (default all)"))
     a("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(handler=run)
 
@@ -116,6 +133,8 @@ def _int(text: str, what: str, minimum: int = 1) -> int:
 
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     """Turn command-line strings into PlanInputs; every bad value raises ConfigError naming the flag."""
+    from tierio.plan.measured import load_measured
+    from tierio.plan.report import PlanInputs
     model = preset(args.preset)
     overrides = {}
     if args.params:
@@ -180,6 +199,8 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
 
 
 def _sections(text: str | None) -> tuple[str, ...]:
+    from tierio.plan.report import SECTIONS
+
     if not text:
         return SECTIONS
     chosen = tuple(s.strip().lower() for s in text.split(",") if s.strip())
@@ -192,6 +213,7 @@ def _sections(text: str | None) -> tuple[str, ...]:
 
 def run(args: argparse.Namespace) -> int:
     from tierio.cli.output import print_json, print_table, say
+    from tierio.plan.report import build_plan, tables
 
     sections = _sections(args.only)
     plan = build_plan(inputs_from_args(args))

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tierio.ckpt.interval import interval_at, optimal_interval
 from tierio.errors import ConfigError
 from tierio.plan import bandwidth, checkpoint, cost, serving
 from tierio.plan.measured import Measured
@@ -209,6 +208,9 @@ def build_plan(inp: PlanInputs) -> dict[str, Any]:
 def _interval(inp: PlanInputs, writes: list[checkpoint.WriteCost], planned_s: float) -> dict[str, Any]:
     """Young/Daly's interval for the async strategy (blocking = the snapshot, bounded below by the
     background write) next to the planned one; the job's MTBF is given or one GPU's / GPUs."""
+    # imported here: importing tierio.ckpt loads torch, which `tierio plan --help` must not pay for
+    from tierio.ckpt.interval import interval_at, optimal_interval
+
     mtbf = inp.mtbf_s if inp.mtbf_s is not None else inp.gpu_mtbf_s / inp.gpus
     snap = next(w for w in writes if w.strategy == "async")
     best = optimal_interval(snap.blocking_s, mtbf, snap.background_s, inp.restart_s)
