@@ -75,7 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=3, help="timed repetitions per figure (default 3)")
     p.add_argument("--passes", type=int, default=4, help="passes over the token file per loader measurement (default 4)")
     p.add_argument("--dir", default=None, help="work directory (default: a temporary directory)")
-    p.add_argument("--skip-s3", action="store_true", help="skip the SeaweedFS streaming figures (and the peers)")
+    p.add_argument("--no-s3", dest="skip_s3", action="store_true", help="skip the SeaweedFS streaming figures (and the peers)")
+    p.add_argument("--skip-s3", dest="skip_s3", action="store_true", help=argparse.SUPPRESS)  # the old name (docs/cli.md)
     p.add_argument("--peer-samples", type=int, default=200_000,
                    help="samples of 1,024 uint16 tokens in the comparison with litdata and MosaicML Streaming (default 200,000)")
     p.add_argument("--skip-peers", action="store_true",

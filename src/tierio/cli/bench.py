@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable
 
 from tierio.cli.output import print_json, print_table
+from tierio.cli.parsers import own_examples
 
 TARGETS = {
     "io": "the I/O engine vs fio (disk) and the aws CLI (S3)",
@@ -26,6 +27,10 @@ examples:
   tierio bench io --size 8GiB --dir /mnt/nvme
   tierio bench ckpt --size 512MiB         a quick, smaller checkpoint run
   tierio bench kv --no-model              the KV cache's tiers only (no transformers model)
+  tierio bench weights --size 256MiB --no-s3   a quick weight-load run on the local disk only
+  tierio bench data --no-s3               packing and loader figures without SeaweedFS
+  tierio bench parquet --tokens 5000000   a smaller Parquet corpus
+  tierio bench crash --limit 20           a sample of 20 crash points per scenario
 Each run compares against its peers in the same run and prints ratios (> 1 means tierio is faster,
 except rss_overhead where lower is better). Nothing is installed by the benchmark: missing peers
 (fio, awscli) are reported with the command to install them.
@@ -42,10 +47,13 @@ def _lazy(base: type[argparse.ArgumentParser]) -> type[argparse.ArgumentParser]:
     class LazyTarget(base):  # type: ignore[misc, valid-type]
         load: Callable[[argparse.ArgumentParser], None] | None = None
 
-        def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        def ensure_loaded(self) -> None:
             if self.load is not None:
                 load, self.load = self.load, None
                 load(self)
+
+        def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+            self.ensure_loaded()
             return super().parse_known_args(args, namespace)
 
     return LazyTarget
@@ -69,7 +77,7 @@ def register(sub) -> None:
     for name, help_text in TARGETS.items():
         if importlib.util.find_spec(f"tierio.bench.{name}") is None:
             continue  # target not built yet
-        t = targets.add_parser(name, help=help_text, description=help_text,
+        t = targets.add_parser(name, help=help_text, description=help_text, epilog=own_examples(EPILOG, f"tierio bench {name}"),
                                formatter_class=argparse.RawDescriptionHelpFormatter)
         t.load = lambda t, name=name: _load_target(name, t)
         t.add_argument("--json", action="store_true", help="print one JSON object (ratios and raw figures)")

@@ -32,6 +32,9 @@ the last 48 hours), all (keep everything); join with + (keep what any keeps) or 
 """
 
 
+_URL = "a tier: a directory, file:///path or s3://bucket/prefix[?endpoint=...]"
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     cmds = action_group(sub, "ckpt", help="list, inspect, verify, promote and garbage-collect checkpoints on a tier",
                         description="Look after tierio checkpoints on one tier (a directory or an S3 prefix).",
@@ -44,19 +47,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         return a
 
     a = action("ls", "list the committed checkpoints on a tier", "tierio ckpt ls /mnt/nvme/ckpt")
-    a.add_argument("url", metavar="URL")
+    a.add_argument("url", metavar="URL", help=_URL)
     a.set_defaults(handler=cmd_ls)
 
     a = action("inspect", "show one checkpoint's manifest: state tree, tensors, sizes",
                "tierio ckpt inspect /mnt/nvme/ckpt --step 2000 --tensors")
-    a.add_argument("url", metavar="URL")
+    a.add_argument("url", metavar="URL", help=_URL)
     a.add_argument("--step", type=int, help="the step (default: the latest)")
     a.add_argument("--tensors", action="store_true", help="list every tensor with dtype, shape and chunks")
     a.set_defaults(handler=cmd_inspect)
 
     a = action("verify", "re-read checkpoints and check every chunk's xxh3",
                "tierio ckpt verify /lustre/run1 --all")
-    a.add_argument("url", metavar="URL")
+    a.add_argument("url", metavar="URL", help=_URL)
     g = a.add_mutually_exclusive_group()
     g.add_argument("--step", type=int, help="the step (default: the latest)")
     g.add_argument("--all", action="store_true", help="every committed step, and flag directories without a manifest")
@@ -64,8 +67,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     a = action("promote", "copy a committed checkpoint to another tier (verified, manifest last)",
                "tierio ckpt promote /mnt/nvme/ckpt s3://ckpt/run1 --step 2000")
-    a.add_argument("src", metavar="SRC")
-    a.add_argument("dst", metavar="DST")
+    a.add_argument("src", metavar="SRC", help="the tier to copy from: " + _URL)
+    a.add_argument("dst", metavar="DST", help="the tier to copy to (created if a local directory)")
     a.add_argument("--step", type=int, help="the step (default: the latest on SRC)")
     a.add_argument("--all", action="store_true", help="every committed step of SRC that DST lacks")
     a.add_argument("--bandwidth", help="limit the copy rate, e.g. 500MB (bytes per second)")
@@ -73,7 +76,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     a = action("gc", "delete checkpoints a retention policy does not keep, and debris of dead writers",
                "tierio ckpt gc /lustre/run1 --keep last:3+every:1000 --dry-run")
-    a.add_argument("url", metavar="URL")
+    a.add_argument("url", metavar="URL", help=_URL)
     a.add_argument("--keep", required=True, metavar="POLICY", help="retention: last:N, every:K, within:48h, all; join with + or &")
     a.add_argument("--min-keep", type=int, default=3, help="never keep fewer than this many checkpoints (default 3)")
     a.add_argument("--temp-age", type=float, default=0.0, metavar="SECONDS",
@@ -84,7 +87,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     a = action("export", "write a checkpoint's model as a Hugging Face style safetensors directory",
                "tierio ckpt export /lustre/run1 ./hf-model --step 2000")
-    a.add_argument("url", metavar="URL")
+    a.add_argument("url", metavar="URL", help=_URL)
     a.add_argument("out", metavar="OUT", help="the model directory to write")
     a.add_argument("--step", type=int, help="the step (default: the latest)")
     a.add_argument("--prefix", help="export the tensors under this path of the state, e.g. model/ "
@@ -97,7 +100,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                "A holder that is not provably dead (a process gone on this node) is watched for the lease\n"
                "expiry (TIERIO_LEASE_EXPIRES, default 120 s): a lease that stays unchanged is broken, one\n"
                "that is renewed meanwhile belongs to a live run and is left alone.")
-    a.add_argument("url", metavar="URL")
+    a.add_argument("url", metavar="URL", help=_URL)
     a.add_argument("--force", action="store_true",
                    help="break the lease at once, even if its holder looks alive (only when you know it is gone)")
     a.set_defaults(handler=cmd_unlock)

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from tierio.cli.output import print_json, print_table
-from tierio.cli.parsers import action_group
+from tierio.cli.parsers import action_group, alias, leaf
 from tierio.errors import ConfigError
 from tierio.units import human_bytes
 
@@ -23,7 +23,8 @@ examples:
                                                         Parquet lists of token ids (needs `pyarrow`)
   tierio data build data/ corpus --text-column text --tokenizer tokenizer.json
                                                         every .parquet under data/, text tokenized locally
-  tierio data inspect corpus --json                     counts, dtype, length percentiles
+  tierio data inspect corpus                            counts, dtype, length percentiles
+  tierio data inspect corpus.idx --json                 the same for scripts
   tierio data merge part1 part2 part3 all               concatenate datasets (same dtype) into `all`
   tierio data pack corpus --seq-len 4096                plan best-fit-decreasing packs -> corpus.pack4096.npz
   tierio data pack corpus --seq-len 4096 --shards s3://bucket/packed?endpoint=http://127.0.0.1:8333
@@ -40,12 +41,12 @@ def register(sub) -> None:
                       description="Build, inspect, merge and pack Megatron-LM compatible token datasets (.bin/.idx).",
                       epilog=EPILOG)
 
-    b = ds.add_parser("build", help="build a dataset from JSONL token ids, .npy, Parquet, or text + tokenizer.json",
-                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    b = leaf(ds, "build", help="build a dataset from JSONL token ids, .npy, Parquet, or text + tokenizer.json",
+             epilog=EPILOG)
     b.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="input files, in order: .jsonl (token ids), .npy, text (.txt/.jsonl) with --tokenizer, "
                         ".parquet files or directories of them")
-    b.add_argument("output", help="output prefix (writes OUTPUT.bin and OUTPUT.idx)")
+    b.add_argument("output", metavar="OUTPUT", help="output prefix (writes OUTPUT.bin and OUTPUT.idx)")
     b.add_argument("--key", default="tokens", help="JSON field with token ids (default: tokens)")
     b.add_argument("--tokenizer", help="local tokenizer.json to tokenize raw text")
     b.add_argument("--text-key", default="text", help="JSON field with text when tokenizing .jsonl (default: text)")
@@ -57,8 +58,8 @@ def register(sub) -> None:
     b.add_argument("--json", action="store_true", help="print JSON")
     b.set_defaults(handler=_build)
 
-    i = ds.add_parser("inspect", help="counts, dtype and document-length percentiles of a dataset")
-    i.add_argument("prefix", help="dataset prefix (or its .bin/.idx path)")
+    i = leaf(ds, "inspect", help="counts, dtype and document-length percentiles of a dataset", epilog=EPILOG)
+    i.add_argument("prefix", metavar="PREFIX", help="dataset prefix (or its .bin/.idx path)")
     i.add_argument("--json", action="store_true", help="print JSON")
     i.set_defaults(handler=_inspect)
 
@@ -77,9 +78,8 @@ def register(sub) -> None:
     m.add_argument("--json", action="store_true", help="print JSON")
     m.set_defaults(handler=_merge)
 
-    k = ds.add_parser("pack", help="plan sequence packing (BFD/FFD); optionally write packed shards",
-                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    k.add_argument("prefix", help="dataset prefix")
+    k = leaf(ds, "pack", help="plan sequence packing (BFD/FFD); optionally write packed shards", epilog=EPILOG)
+    k.add_argument("prefix", metavar="PREFIX", help="dataset prefix")
     k.add_argument("--seq-len", type=int, default=4096, help="tokens per pack (default 4096)")
     k.add_argument("--algorithm", choices=["bfd", "ffd"], default="bfd", help="best-fit or first-fit decreasing (default bfd)")
     k.add_argument("--window", type=int, default=None, help="documents planned together (default 262144)")
@@ -92,10 +92,10 @@ def register(sub) -> None:
     k.add_argument("--json", action="store_true", help="print JSON")
     k.set_defaults(handler=_pack)
 
-    x = ds.add_parser("export", help="copy a shard dataset into another container (e.g. WebDataset tar shards)",
-                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    x.add_argument("source", help="store URL or path of the dataset (its index.json)")
-    x.add_argument("dest", help="store URL or path to write the copy to")
+    x = leaf(ds, "export", help="copy a shard dataset into another container (e.g. WebDataset tar shards)",
+             epilog=EPILOG)
+    x.add_argument("source", metavar="SOURCE", help="store URL or path of the dataset (its index.json)")
+    x.add_argument("dest", metavar="DEST", help="store URL or path to write the copy to")
     fmt = x.add_mutually_exclusive_group()
     fmt.add_argument("--webdataset", dest="format", action="store_const", const="tar",
                      help="plain tar shards of .npy members that webdataset and any tar tool read (default)")

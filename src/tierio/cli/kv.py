@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
-
 from tierio.cli.output import print_json, print_table
-from tierio.cli.parsers import action_group
+from tierio.cli.parsers import action_group, leaf
 from tierio.units import human_bytes
 
 EPILOG = """\
@@ -64,14 +62,12 @@ def cmd_demo(args) -> int:
 def register(sub) -> None:
     kv = action_group(sub, "kv", help="KV-cache tiering: inspect an NVMe tier, run the prefix-cache demo",
                       description="Inspect the NVMe tier of a tierio KV cache, or run the multi-user demo.", epilog=EPILOG)
-    q = kv.add_parser("stats", help="what an NVMe KV tier holds (read-only; works while a server uses it)",
-                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    q.add_argument("dir", help="the tier's directory (KVConfig.nvme_dir)")
+    q = leaf(kv, "stats", help="what an NVMe KV tier holds (read-only; works while a server uses it)", epilog=EPILOG)
+    q.add_argument("dir", metavar="DIR", help="the tier's directory (KVConfig.nvme_dir)")
     q.add_argument("--verify", action="store_true", help="read every block and check its checksum (exit 1 if any fails)")
     q.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     q.set_defaults(handler=cmd_stats)
-    q = kv.add_parser("demo", help="users sharing a system prompt, evicted to NVMe, resumed after a restart",
-                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    q = leaf(kv, "demo", help="users sharing a system prompt, evicted to NVMe, resumed after a restart", epilog=EPILOG)
     q.add_argument("--dir", default=None, help="NVMe tier directory (default: a temporary one, removed afterwards)")
     q.add_argument("--users", type=int, default=4, help="users (default 4)")
     q.add_argument("--turns", type=int, default=3, help="turns per user; the last one runs after a restart (default 3)")

@@ -14,6 +14,35 @@ def action_group(sub: argparse._SubParsersAction, name: str, *, help: str, descr
     return p.add_subparsers(dest=f"{name}_command", metavar="ACTION")
 
 
+def own_examples(epilog: str, command: str) -> str | None:
+    """The example lines of a group's epilog that run ``command`` (with their continuation lines)."""
+    picked: list[str] = []
+    taking = False
+    for line in epilog.splitlines():
+        if line.startswith("  tierio "):
+            taking = line.startswith(f"  {command} ") or line == f"  {command}"
+        elif not line.startswith("      "):  # not a continuation line: a blank line or prose
+            taking = False
+        if taking:
+            picked.append(line)
+    return "examples:\n" + "\n".join(picked) if picked else None
+
+
+def leaf(group: argparse._SubParsersAction, name: str, *, help: str, epilog: str,
+         description: str | None = None) -> argparse.ArgumentParser:
+    """A leaf command (`tierio weights load`): its own description and only its own examples.
+
+    Leaves used to repeat the group's whole example block; they now take the lines that run them."""
+    command = f"{group._prog_prefix} {name}"
+    return group.add_parser(name, help=help, description=description or help[0].upper() + help[1:] + ".",
+                            epilog=own_examples(epilog, command), formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def alias(parser: argparse.ArgumentParser, old: str, **kwargs: object) -> None:
+    """Keep an old flag name working, out of the help: the vocabulary moved on (docs/cli.md)."""
+    parser.add_argument(old, help=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]
+
+
 class LazyHelp(str):
     """Help text computed only when help is printed (argparse formats it with ``%``).
 

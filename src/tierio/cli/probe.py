@@ -26,7 +26,7 @@ def register(sub) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("target", help="a directory, file:///path, or s3://bucket/prefix[?endpoint=URL]")
+    p.add_argument("target", metavar="TARGET", help="a directory, file:///path, or s3://bucket/prefix[?endpoint=URL]")
     p.add_argument("--size", default=None, help="bytes to move per measurement (default 1GiB for a directory, 256MiB for S3)")
     p.add_argument("--concurrency", default="1,4,16", help="S3 only: comma-separated request concurrencies (default 1,4,16)")
     p.add_argument("--json", action="store_true", help="print JSON (input for `tierio plan --measured`)")

@@ -7,19 +7,20 @@ import os
 from pathlib import Path
 
 from tierio.cli.output import byte_progress, print_json, print_table
-from tierio.cli.parsers import action_group
+from tierio.cli.parsers import action_group, alias, leaf
 from tierio.errors import ConfigError
 from tierio.units import fmt_rate, human_bytes, parse_size
 
 EPILOG = """\
 examples:
   tierio weights inspect ./llama/                        shards, tensors, dtypes and sizes (headers only)
-  tierio weights load ./llama/ --device cpu              cold-load every tensor; bytes, seconds, GB/s, CPU s/GB
+  tierio weights load ./llama/ --device cpu              load every tensor; bytes, seconds, GB/s, CPU s/GB
   tierio weights load ./llama/ --private                 the same into private memory (O_DIRECT, no file mapping)
   tierio weights load model.safetensors --keys lm_head.weight
-  tierio weights fetch "s3://models/llama?endpoint=http://127.0.0.1:8333" --cache /nvme/weights
-  tierio weights load  "s3://models/llama?endpoint=http://127.0.0.1:8333" --cache /nvme/weights --device cuda
-  tierio weights cache --cache /nvme/weights             what the cache holds, least recently used first
+  tierio weights inspect ./llama/ --tensors              every tensor, not only the first 20
+  tierio weights fetch "s3://models/llama?endpoint=http://127.0.0.1:8333" --cache-dir /nvme/weights
+  tierio weights load "s3://models/llama?endpoint=http://127.0.0.1:8333" --cache-dir /nvme/weights --device cuda
+  tierio weights cache --cache-dir /nvme/weights         what the cache holds, least recently used first
 
 The cache directory defaults to $TIERIO_WEIGHT_CACHE or ~/.cache/tierio/weights.
 """
@@ -70,7 +71,7 @@ def cmd_inspect(args) -> int:
                 [[n, t["dtype"], "x".join(map(str, t["shape"])) or "scalar", human_bytes(t["bytes"])]
                  + ([number.get(t["file"], t["file"])] if several else []) for n, t in shown])
     if len(shown) < len(tensors):
-        print(f"... {len(tensors) - len(shown)} more (--all lists every tensor)")
+        print(f"... {len(tensors) - len(shown)} more (--tensors lists every tensor)")
     return 0
 
 
@@ -138,17 +139,20 @@ def register(sub) -> None:
     def common(q, cache: bool = True):
         q.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
         if cache:
-            q.add_argument("--cache", metavar="DIR", help="weight cache directory (default $TIERIO_WEIGHT_CACHE or ~/.cache/tierio/weights)")
+            q.add_argument("--cache-dir", dest="cache", metavar="DIR",
+                           help="weight cache directory (default $TIERIO_WEIGHT_CACHE or ~/.cache/tierio/weights)")
+            alias(q, "--cache", dest="cache", metavar="DIR")
             q.add_argument("--max-size", default="200GiB", help="cache size limit, evicting least recently used models (default 200GiB)")
 
-    q = ws.add_parser("inspect", help="list shards and tensors from the headers", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    q.add_argument("source", help=".safetensors file, model directory, tierio checkpoint or s3:// URL")
-    q.add_argument("--all", action="store_true", help="list every tensor")
+    q = leaf(ws, "inspect", help="list shards and tensors from the headers", epilog=EPILOG)
+    q.add_argument("source", metavar="SOURCE", help=".safetensors file, model directory, tierio checkpoint or s3:// URL")
+    q.add_argument("--tensors", dest="all", action="store_true", help="list every tensor (default: the first 20)")
+    alias(q, "--all", dest="all", action="store_true")
     common(q, cache=False)
     q.set_defaults(handler=cmd_inspect)
 
-    q = ws.add_parser("load", help="load weights and report bytes, seconds, GB/s, CPU s/GB", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    q.add_argument("source", help=".safetensors file, model directory, tierio checkpoint or s3:// URL")
+    q = leaf(ws, "load", help="load weights and report bytes, seconds, GB/s, CPU s/GB", epilog=EPILOG)
+    q.add_argument("source", metavar="SOURCE", help=".safetensors file, model directory, tierio checkpoint or s3:// URL")
     q.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     q.add_argument("--dtype", help="convert floating-point tensors: bf16, fp16 or fp32")
     q.add_argument("--keys", help="comma-separated tensor names to load (default all)")
@@ -161,11 +165,11 @@ def register(sub) -> None:
     common(q)
     q.set_defaults(handler=cmd_load)
 
-    q = ws.add_parser("fetch", help="copy a remote model into the local cache (verified, atomic)", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    q.add_argument("source", help="s3:// URL or shared-filesystem path of a model")
+    q = leaf(ws, "fetch", help="copy a remote model into the local cache (verified, atomic)", epilog=EPILOG)
+    q.add_argument("source", metavar="SOURCE", help="s3:// URL or shared-filesystem path of a model")
     common(q)
     q.set_defaults(handler=cmd_fetch)
 
-    q = ws.add_parser("cache", help="list the models in the cache", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    q = leaf(ws, "cache", help="list the models in the cache", epilog=EPILOG)
     common(q)
     q.set_defaults(handler=cmd_cache)
