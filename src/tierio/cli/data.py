@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tierio.cli.output import print_json, print_table
 from tierio.cli.parsers import action_group, alias, leaf
-from tierio.errors import ConfigError
+from tierio.errors import ConfigError, NotFoundError
 from tierio.units import human_bytes
 
 EPILOG = """\
@@ -241,6 +241,12 @@ def _pack(args) -> int:
 def _export(args) -> int:
     from tierio.data.export import export_dataset
 
+    src = args.source.removeprefix("file://")
+    if "://" not in src and not Path(src).exists():
+        # a local store is created when opened; the source must not be (it would then "never have
+        # been completed")
+        raise NotFoundError(f"dataset {args.source} does not exist; give the store URL or directory that holds its "
+                            "index.json")
     t0 = time.perf_counter()
     man = export_dataset(args.source, args.dest, format=args.format, shard_size=args.shard_size, cache_dir=args.cache_dir)
     _show(f"exported {args.source}", {"dest": args.dest, "format": args.format, "samples": man.num_samples,

@@ -120,6 +120,16 @@ def cmd_fetch(args) -> int:
 
 
 def cmd_cache(args) -> int:
+    root = _cache_root(args)
+    try:
+        root.stat()  # a file on the way is NotADirectoryError: the funnel reports it
+    except FileNotFoundError:
+        # listing is read-only: a cache that was never filled is shown empty, not created
+        if args.json:
+            print_json({"root": str(root), "max_bytes": parse_size(args.max_size), "used_bytes": 0, "entries": []})
+        else:
+            print(f"no weight cache at {root} yet (tierio weights fetch fills it)")
+        return 0
     c = _cache(args)
     entries = c.entries()
     if args.json:
