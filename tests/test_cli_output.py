@@ -135,3 +135,12 @@ def test_markup_in_data_is_printed_as_text(capsys):
                  "warn: /data/exp[v2] [tensor 'w' chunk 0]"):
         assert text in out, (text, out)
     assert "None" not in out and "True" not in out
+
+
+def test_data_tables_read_as_words_and_numbers(tmp_path, capsys):
+    from tierio.data import build_indexed
+
+    build_indexed([np.arange(1500) % 1000, np.arange(7)], tmp_path / "c", vocab_size=1000)
+    rc, out, _ = run(capsys, "data", "inspect", str(tmp_path / "c"))
+    assert rc == 0 and "1,507" in out and "doc len max" in out and "multimodal" in out
+    assert not re.search(r"\b(None|False|True)\b|\w_\w", out.replace(str(tmp_path), "")), out

@@ -114,12 +114,17 @@ def _show(title: str, d: dict, as_json: bool) -> None:
         return
     rows = []
     for key, v in d.items():
-        if key.endswith("bytes") and isinstance(v, int):
-            v = f"{v} ({human_bytes(v)})"
+        # for people: words for keys, separators and units for numbers (the JSON keeps raw values)
+        if isinstance(v, bool) or v is None:
+            pass  # the output module writes yes / no / -
+        elif key.endswith("bytes") and isinstance(v, int):
+            v = f"{v:,} ({human_bytes(v)})"
+        elif isinstance(v, int):
+            v = f"{v:,}"
         elif isinstance(v, float):
-            v = f"{v:.4f}"
-        rows.append((key, v))
-    print_table(title, ["field", "value"], rows)
+            v = f"{v:,.4f}".rstrip("0").rstrip(".") if abs(v) < 1000 else f"{v:,.0f}"
+        rows.append((key.replace("_", " "), v))
+    print_table(title, ["", "value"], rows)
 
 
 def _build(args) -> int:
