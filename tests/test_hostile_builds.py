@@ -61,11 +61,11 @@ def test_a_crash_at_any_rename_leaves_the_old_pair_or_the_new_one(tmp_path, monk
     real_replace = os.replace
     calls = []
 
-    def crash_after(src, dst):  # the process "dies" after `renames_before_crash` renames
+    def crash_after(src, dst, **dir_fds):  # the process "dies" after `renames_before_crash` renames
         if len(calls) == renames_before_crash:
             raise KeyboardInterrupt("killed")
         calls.append(dst)
-        real_replace(src, dst)
+        real_replace(src, dst, **dir_fds)
 
     monkeypatch.setattr(os, "replace", crash_after)
     with pytest.raises(KeyboardInterrupt):
