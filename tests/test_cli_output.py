@@ -144,3 +144,23 @@ def test_data_tables_read_as_words_and_numbers(tmp_path, capsys):
     rc, out, _ = run(capsys, "data", "inspect", str(tmp_path / "c"))
     assert rc == 0 and "1,507" in out and "doc len max" in out and "multimodal" in out
     assert not re.search(r"\b(None|False|True)\b|\w_\w", out.replace(str(tmp_path), "")), out
+
+
+def test_progress_on_a_terminal_only_and_never_with_json(tmp_path, capsys, monkeypatch):
+    import torch
+
+    from tierio.ckpt import CheckpointManager
+
+    tier = tmp_path / "tier"
+    with CheckpointManager([str(tier)]) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"model": {"weight": torch.ones(8) * step}}).wait()
+    rc, _, err = run(capsys, "ckpt", "verify", str(tier), "--all")  # stderr is no terminal here
+    assert rc == 0 and "verifying" not in err
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich: treat stderr as a terminal
+    rc, _, err = run(capsys, "ckpt", "verify", str(tier), "--all")
+    assert rc == 0 and "verifying" in err and "2/2" in err
+    rc, out, err = run(capsys, "ckpt", "verify", str(tier), "--all", "--json")
+    assert rc == 0 and "verifying" not in err and json.loads(out)["ok"]
+    rc, _, err = run(capsys, "ckpt", "promote", str(tier), str(tmp_path / "copy"), "--all")
+    assert rc == 0 and "promoting" in err

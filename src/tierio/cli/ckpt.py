@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from tierio.cli.output import print_json, print_table, say, styled
+from tierio.cli.output import print_json, print_table, progress, say, styled
 from tierio.cli.parsers import action_group
 from tierio.errors import ConfigError, NotFoundError
 from tierio.units import fmt_rate, human_bytes, parse_size
@@ -292,11 +292,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
         else:
             step = args.step if args.step is not None else _latest(store, args.url)
             steps = [step]
-        for step in steps:
-            report = verify(store, step)
-            if report.copies.get(store.url) == "absent":
-                raise NotFoundError(f"step {step} has no checkpoint in {args.url}")
-            reports.append(report)
+        with progress("verifying", len(steps), quiet=args.json) as advance:
+            for step in steps:
+                advance(0, f"step {step}")
+                report = verify(store, step)
+                if report.copies.get(store.url) == "absent":
+                    raise NotFoundError(f"step {step} has no checkpoint in {args.url}")
+                reports.append(report)
+                advance()
     ok = all(r.ok for r in reports)
     if args.json:
         print_json({"url": args.url, "ok": ok, "steps": [r.to_dict() for r in reports]})
@@ -333,12 +336,15 @@ def cmd_promote(args: argparse.Namespace) -> int:
         else:
             steps = [args.step if args.step is not None else _latest(src, args.src)]
             _manifest(src, args.src, steps[0])
-        for step in steps:
-            if same_copy(dst, step, read_manifest_bytes(src, step)):
-                done.append({"step": step, "bytes": 0, "seconds": 0.0, "skipped": "already committed on DST"})
-                continue
-            stats = promote(src, dst, step, bandwidth=rate)
-            done.append({"step": step, "bytes": stats.bytes, "seconds": stats.seconds, "skipped": None})
+        with progress("promoting", len(steps), quiet=args.json) as advance:
+            for step in steps:
+                advance(0, f"step {step}")
+                if same_copy(dst, step, read_manifest_bytes(src, step)):
+                    done.append({"step": step, "bytes": 0, "seconds": 0.0, "skipped": "already committed on DST"})
+                else:
+                    stats = promote(src, dst, step, bandwidth=rate)
+                    done.append({"step": step, "bytes": stats.bytes, "seconds": stats.seconds, "skipped": None})
+                advance()
     if args.json:
         print_json({"src": args.src, "dst": args.dst, "promoted": done})
         return 0
@@ -399,7 +405,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     limit = parse_size(args.max_shard_size)
     if limit <= 0:
         raise ConfigError("--max-shard-size must be positive, e.g. 5GB")
-    with _store(args.url) as store:
+    with _store(args.url) as store, progress("exporting", quiet=args.json):
         report = export(store, args.out, step=args.step, prefix=args.prefix, max_shard_bytes=int(limit))
     if args.json:
         print_json({"url": args.url, "step": report.step, "out": report.out, "tensors": report.tensors,

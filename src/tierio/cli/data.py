@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from tierio.cli.output import print_json, print_table
+from tierio.cli.output import print_json, print_table, progress
 from tierio.cli.parsers import action_group, alias, leaf
 from tierio.errors import ConfigError, NotFoundError
 from tierio.units import human_bytes
@@ -137,8 +137,10 @@ def _build(args) -> int:
         parquet = ParquetColumns(ids=args.column, text=args.text_column, tokenizer=args.tokenizer, append_eos=args.append_eos)
     _refuse_overwrite(args.output, args.force)
     t0 = time.perf_counter()
-    st = build_inputs(args.inputs, args.output, vocab_size=args.vocab_size, parquet=parquet, progress=_ParquetProgress(t0),
-                      key=args.key, tokenizer=args.tokenizer, text_key=args.text_key, append_eos=args.append_eos).to_dict()
+    with progress(f"building {args.output}", quiet=args.json):
+        st = build_inputs(args.inputs, args.output, vocab_size=args.vocab_size, parquet=parquet,
+                          progress=_ParquetProgress(t0), key=args.key, tokenizer=args.tokenizer, text_key=args.text_key,
+                          append_eos=args.append_eos).to_dict()
     seconds = time.perf_counter() - t0
     st["seconds"] = round(seconds, 3)
     st["tokens_per_s"] = round(st["tokens"] / seconds) if seconds > 0 else None
@@ -236,7 +238,8 @@ def _pack(args) -> int:
 
         t1 = time.perf_counter()
         packed = PackedDataset(ds, plan, check_source=False)  # the plan was just made from ds
-        man = write_packed_shards(packed, args.shards, shard_size=args.shard_size, format=args.format)
+        with progress(f"writing shards to {args.shards}", quiet=args.json):
+            man = write_packed_shards(packed, args.shards, shard_size=args.shard_size, format=args.format)
         result.update({"shards_url": args.shards, "shards": len(man.shards), "shard_bytes": man.total_bytes,
                        "shard_seconds": round(time.perf_counter() - t1, 3)})
     _show(f"packed {ds.prefix} into {args.seq_len}-token sequences", result, args.json)
@@ -253,7 +256,9 @@ def _export(args) -> int:
         raise NotFoundError(f"dataset {args.source} does not exist; give the store URL or directory that holds its "
                             "index.json")
     t0 = time.perf_counter()
-    man = export_dataset(args.source, args.dest, format=args.format, shard_size=args.shard_size, cache_dir=args.cache_dir)
+    with progress(f"exporting to {args.dest}", quiet=args.json):
+        man = export_dataset(args.source, args.dest, format=args.format, shard_size=args.shard_size,
+                             cache_dir=args.cache_dir)
     _show(f"exported {args.source}", {"dest": args.dest, "format": args.format, "samples": man.num_samples,
                                       "shards": len(man.shards), "shard_bytes": man.total_bytes,
                                       "seconds": round(time.perf_counter() - t0, 3)}, args.json)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tierio.cli.output import print_json, print_table
+from tierio.cli.output import print_json, print_table, progress
 from tierio.cli.parsers import action_group, leaf
 from tierio.units import human_bytes
 
@@ -45,8 +45,10 @@ def cmd_stats(args) -> int:
 def cmd_demo(args) -> int:
     from tierio.kv.demo import ChatDemo, run_demo
 
-    result = run_demo(ChatDemo(directory=args.dir, users=args.users, turns=args.turns, system_tokens=args.system_tokens,
-                               answer_tokens=args.answer_tokens, dram_blocks=args.dram_blocks))
+    with progress("kv demo: users taking turns", quiet=args.json):
+        result = run_demo(ChatDemo(directory=args.dir, users=args.users, turns=args.turns,
+                                   system_tokens=args.system_tokens, answer_tokens=args.answer_tokens,
+                                   dram_blocks=args.dram_blocks))
     if args.json:
         print_json(result.to_dict())
         return 0

@@ -17,7 +17,10 @@ from typing import Any
 
 from rich.cells import cell_len
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import (
+    BarColumn, DownloadColumn, MofNCompleteColumn, Progress, ProgressColumn, SpinnerColumn, TextColumn, TimeElapsedColumn,
+    TimeRemainingColumn, TransferSpeedColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
@@ -127,13 +130,40 @@ def print_json(obj: Any) -> None:
 
 
 @contextmanager
-def byte_progress(description: str, err: Console | None = None) -> Iterator[Callable[[int, int], None] | None]:
+def progress(description: str, total: int | None = None, *, quiet: bool = False,
+             err: Console | None = None) -> Iterator[Callable[..., None]]:
+    """A bar (when the number of items is known) or a spinner, with the time elapsed, on stderr.
+
+    For every command that can take more than a second. Yields ``advance(n=1, note="")``, which
+    does nothing when the bar is silent: with --json (``quiet``) and when stderr is not a terminal
+    (a log or a pipe gets the final table, not the animation)."""
+    err = err or console(stderr=True)
+    if quiet or not err.is_terminal:
+        yield lambda n=1, note="": None
+        return
+    columns: list[ProgressColumn | str] = [SpinnerColumn(), TextColumn("{task.description}")]
+    if total:
+        columns += [BarColumn(), MofNCompleteColumn()]
+    columns += [TimeElapsedColumn(), TextColumn("{task.fields[note]}")]
+    bar = Progress(*columns, console=err, transient=True)
+    task = bar.add_task(description, total=total or None, note="")
+
+    def advance(n: int = 1, note: str = "") -> None:
+        bar.update(task, advance=n, note=note)
+
+    with bar:
+        yield advance
+
+
+@contextmanager
+def byte_progress(description: str, err: Console | None = None, *,
+                  quiet: bool = False) -> Iterator[Callable[[int, int], None] | None]:
     """A transfer bar (bytes, rate, time left) on stderr while the block runs, on a terminal only.
 
     Yields a ``progress(done, total)`` callback that I/O threads may call, or None when stderr is
     not a terminal (logs and pipes get the final table, not a bar)."""
     err = err or console(stderr=True)
-    if not err.is_terminal:
+    if quiet or not err.is_terminal:
         yield None
         return
     bar = Progress(TextColumn(description), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),

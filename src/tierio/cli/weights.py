@@ -88,7 +88,7 @@ def cmd_load(args) -> int:
     keys = args.keys.split(",") if args.keys else None
     stats = LoadStats()
     mapped = not (args.private or args.buffered)
-    with byte_progress("loading") as progress:
+    with byte_progress("loading", quiet=args.json) as progress:
         if args.cache or args.via_cache:
             tensors = _cache(args).load(args.source, device=args.device, dtype=dtype, keys=keys, stats=stats,
                                         verify=args.verify, mapped=mapped, progress=progress)
@@ -108,7 +108,7 @@ def cmd_fetch(args) -> int:
     from tierio.weights import LoadStats
 
     stats = LoadStats(source=str(args.source), device="none")
-    with byte_progress("fetching") as progress:
+    with byte_progress("fetching", quiet=args.json) as progress:
         path = _cache(args).fetch(args.source, stats=stats, progress=progress)
     d = stats.to_dict()
     d["path"] = str(path)
