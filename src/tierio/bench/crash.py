@@ -87,9 +87,13 @@ class Ctx:
     point: Point | None = None  # None: record
     group: int = 0  # the trial's process group (killed whole at a crash)
 
-    def arm(self, label: str = "main") -> None:
-        """From here on this process's durable operations are recorded (or crashed at)."""
-        _Recorder(self, label).install()
+    def arm(self, label: str = "main", volatile: list[Path] | None = None) -> None:
+        """From here on this process's durable operations are recorded (or crashed at).
+
+        ``volatile``: the directories this process's power loss undoes unsynced changes in
+        (default the whole trial). A rank's node-local tier is; a shared file system, whose server
+        keeps what it acknowledged, is not."""
+        _Recorder(self, label, volatile).install()
 
     def note(self, key: str, value: Any) -> None:
         """Tell the check something the run knew at this moment (``step 3 durable``)."""
@@ -129,9 +133,10 @@ Entry = tuple[str, int] | None  # ("f" | "d", identity) or no entry
 class _Recorder:
     """The wrappers of one armed process: records operations, keeps what is durable, crashes."""
 
-    def __init__(self, ctx: Ctx, label: str) -> None:
+    def __init__(self, ctx: Ctx, label: str, volatile: list[Path] | None = None) -> None:
         self.ctx, self.label = ctx, label
         self.roots = {str(ctx.root.absolute()), os.path.realpath(ctx.root)}
+        self.volatile = [os.path.realpath(v) for v in (volatile or [ctx.root])]
         self.lock = threading.RLock()
         self.counts: Counter[str] = Counter()
         # Files and directories by identity, not inode number: a file unlinked here keeps its
@@ -142,7 +147,8 @@ class _Recorder:
         self.dirty_data: set[int] = set()
         self.dirty_names: dict[int, dict[str, Entry]] = {}  # dir -> name -> entry as of its last fsync
         self.renames: dict[tuple[int, str], tuple[int, str]] = {}  # both halves of a rename
-        self.log = _o["open"](ctx.control / f"ops-{label}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.log = (_o["open"](ctx.control / f"ops-{label}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                    if ctx.point is None else -1)  # only the recording run keeps a log
 
     # -- where an operation lands -----------------------------------------------------------------
     def _inside(self, path: str) -> bool:
@@ -204,7 +210,7 @@ class _Recorder:
         directory's last fsync is the one that still holds on disk)."""
         parent, name = os.path.split(path)
         d = self._entry(parent)
-        if d is None:
+        if d is None or not self._is_volatile(parent):
             return None
         e = self._entry(path)
         self._capture(e, path)
@@ -241,8 +247,11 @@ class _Recorder:
 
     def _crash(self, drop: bool) -> None:
         _uninstall()  # other threads stop at the lock; the undoing itself is not recorded
-        if drop:
-            self._drop_unsynced()
+        try:
+            if drop:
+                self._drop_unsynced()
+        except BaseException:  # the trial must still die here; the parent reports the harness's failure
+            (self.ctx.control / "drop-failed.txt").write_text(traceback.format_exc())
         # The fork server relays a child's exit status; should it lose one (exit 255), this says the
         # child died at its point rather than failing on its own.
         os.close(_o["open"](self.ctx.control / "crashed", os.O_WRONLY | os.O_CREAT, 0o644))
@@ -252,15 +261,22 @@ class _Recorder:
         os.kill(os.getpid(), signal.SIGKILL)
 
     # -- the power loss ---------------------------------------------------------------------------
+    def _is_volatile(self, path: str) -> bool:
+        path = os.path.realpath(path.removesuffix(" (deleted)"))
+        return any(path == v or path.startswith(v + "/") for v in self.volatile)
+
     def _where(self) -> dict[int, str]:
-        """Where each known file and directory is now."""
+        """Where each known file and directory of the volatile trees is now."""
         out: dict[int, str] = {}
-        root = str(self.ctx.root)
-        for dirpath, dirnames, filenames in os.walk(root):
-            for path in (dirpath, *(os.path.join(dirpath, n) for n in filenames)):
-                st = os.lstat(path)
-                if (st.st_dev, st.st_ino) in self.ids:
-                    out.setdefault(self.ids[(st.st_dev, st.st_ino)], path)
+        for root in self.volatile:
+            for dirpath, dirnames, filenames in os.walk(root):
+                for path in (dirpath, *(os.path.join(dirpath, n) for n in filenames)):
+                    try:
+                        st = os.lstat(path)
+                    except FileNotFoundError:
+                        continue
+                    if (st.st_dev, st.st_ino) in self.ids:
+                        out.setdefault(self.ids[(st.st_dev, st.st_ino)], path)
         return out
 
     def _drop_unsynced(self) -> None:
@@ -433,7 +449,7 @@ class _Recorder:
     def _opened(self, fd: int, new: bool = False) -> None:
         """A file this process writes: its content until the next fsync is not durable."""
         st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode):
+        if stat.S_ISREG(st.st_mode) and self._is_volatile(os.readlink(f"/proc/self/fd/{fd}")):
             ident = self._ident(st, new)
             self.data.setdefault(ident, b"")  # a new file (an existing one was captured before)
             self.dirty_data.add(ident)
@@ -494,6 +510,7 @@ def _quiet(ctx: Ctx, name: str) -> None:
 def _trial_child(scenario: Scenario, ctx: Ctx) -> None:
     os.setpgid(0, 0)  # the trial's own group: a crash kills it and every rank it started, nothing else
     ctx.group = os.getpid()
+    (ctx.control / "group").write_text(str(ctx.group))
     os.environ.update(ctx.env)
     _quiet(ctx, "run.log")
     try:
@@ -502,6 +519,29 @@ def _trial_child(scenario: Scenario, ctx: Ctx) -> None:
         (ctx.control / "error.txt").write_text(traceback.format_exc())
         os._exit(3)
     os._exit(0)
+
+
+def _wait_group_gone(control: Path, timeout: float = 60.0) -> None:
+    """Wait until no process of the trial's group exists, zombies included: the ranks a crash
+    killed are orphans until init reaps them, and a lease whose holder's pid still exists is
+    (rightly) not taken over as dead, so the check would wait out its expiry."""
+    try:
+        group = int((control / "group").read_text())
+    except (FileNotFoundError, ValueError):
+        return
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        alive = False
+        for d in os.listdir("/proc"):
+            try:
+                if d.isdigit() and int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[2]) == group:
+                    alive = True
+                    break
+            except (OSError, IndexError, ValueError):
+                continue
+        if not alive:
+            return
+        time.sleep(0.05)
 
 
 def _check_child(scenario: Scenario, ctx: Ctx) -> None:
@@ -566,9 +606,12 @@ def run_trial(scenario: Scenario, base: Path, point: Point | None, *, s3_endpoin
         ctx.s3_prefix = f"{bucket_path.split('/', 1)[1]}/{trial}" if "/" in bucket_path else trial
         ctx.s3_url = f"s3://{bucket_path}/{trial}/data" + (f"?{query}" if query else "")
     code = _in_child(_trial_child, scenario, ctx)
+    _wait_group_gone(ctx.control)
     if code == 255 and (ctx.control / "crashed").exists():
         code = CRASHED
     problems: list[str] = []
+    if (ctx.control / "drop-failed.txt").exists():
+        problems.append(f"the power loss could not be simulated: {(ctx.control / 'drop-failed.txt').read_text()}")
     if code is None:
         problems.append("the run hung")
     elif code not in (0, CRASHED):

@@ -314,11 +314,158 @@ def dataset_check(ctx: Ctx) -> list[str]:
     return problems
 
 
+# -- (b) two ranks (gloo processes), each on its own node with a node-local tier 0 ------------------
+RANK_TIMEOUT = 60.0
+
+
+def rank_state(step: int, rank: int) -> dict[str, Any]:
+    import torch
+
+    return {"mine": torch.randn(2048, generator=torch.Generator().manual_seed(step * 10 + rank)), "step": step}
+
+
+def rank_tiers(ctx: Ctx, rank: int) -> list[Any]:
+    from tierio.ckpt import KeepLast, Tier
+
+    return [Tier(str(ctx.root / f"node{rank}"), KeepLast(1), scope="node"), Tier(str(ctx.root / "shared"), KeepLast(2))]
+
+
+def in_ranks(ctx: Ctx, phase: str, body: Any, world: int = 2) -> list[str]:
+    """Run ``body(ctx, rank)`` in ``world`` forked gloo processes; their problems (or failures)."""
+    import faulthandler
+    import json
+    import os
+    import signal
+    import time
+    import traceback
+    from datetime import timedelta
+
+    pids = []
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            out = ctx.control / f"{phase}-rank{rank}.json"
+            faulthandler.dump_traceback_later(RANK_TIMEOUT - 5)  # where a hung rank waits, in the trial's log
+            try:
+                import torch.distributed as dist
+
+                dist.init_process_group("gloo", init_method=f"file://{ctx.control}/pg-{phase}", rank=rank, world_size=world,
+                                        timeout=timedelta(seconds=RANK_TIMEOUT))
+                out.write_text(json.dumps(body(ctx, rank) or []))
+                dist.destroy_process_group()
+                code = 0
+            except BaseException:
+                out.write_text(json.dumps([f"rank {rank} raised in {phase}: {traceback.format_exc(limit=8)}"]))
+                code = 3
+            os._exit(code)
+        pids.append(pid)
+    codes: dict[int, int] = {}
+    deadline = time.monotonic() + 2 * RANK_TIMEOUT
+    while len(codes) < world and time.monotonic() < deadline:  # a rank that failed leaves its peer in a collective
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid:
+            codes[pid] = os.waitstatus_to_exitcode(status)
+        else:
+            time.sleep(0.05)
+    for pid in set(pids) - set(codes):
+        os.kill(pid, signal.SIGKILL)
+        codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    problems = []
+    for rank in range(world):
+        out = ctx.control / f"{phase}-rank{rank}.json"
+        problems += json.loads(out.read_text()) if out.exists() else [f"rank {rank} of {phase} hung (killed)"]
+    if any(codes.values()) and not problems:
+        problems.append(f"ranks of {phase} exited with {sorted(codes.values())}")
+    return problems
+
+
+def ranks_save(ctx: Ctx, rank: int) -> None:
+    from tierio.ckpt import CheckpointManager
+
+    with CheckpointManager(rank_tiers(ctx, rank), run_id="run-b", node=f"n{rank}", min_keep=1, commit_timeout=60) as m:
+        m.save(1, rank_state(1, rank)).wait()
+        ctx.arm(f"rank{rank}", volatile=[ctx.root / f"node{rank}"])  # a power loss of this rank's node
+        h = m.save(2, rank_state(2, rank))
+        h.committed.result()
+        ctx.note("committed", 2)  # globally committed: every rank must restore it from now on
+        h.wait()
+
+
+def ranks_run(ctx: Ctx) -> None:
+    problems = in_ranks(ctx, "run", ranks_save)
+    if problems:
+        raise RuntimeError("; ".join(problems))
+
+
+def ranks_recover(ctx: Ctx, rank: int) -> list[str]:
+    from tierio.ckpt import CheckpointManager
+
+    at_least = durable(ctx, "committed")
+    tiers = rank_tiers(ctx, rank)
+    with CheckpointManager(tiers, run_id="recovery", node=f"n{rank}", min_keep=1, commit_timeout=60) as m:
+        latest = m.latest()
+        if latest not in (1, 2) or latest < at_least:
+            return [f"rank {rank}: latest committed step is {latest}, globally committed up to {at_least}"]
+        problems = differs(m.restore(), rank_state(m.restored_step, rank), f"rank {rank} step {m.restored_step}")
+        m.save(3, rank_state(3, rank)).wait()
+    with CheckpointManager(tiers, run_id="reader", node=f"n{rank}", min_keep=1) as m:
+        problems += differs(m.restore(), rank_state(3, rank), f"rank {rank} step 3 saved after recovery")
+    return problems
+
+
+def ranks_check(ctx: Ctx) -> list[str]:
+    return whole_listings([str(ctx.root / "shared")], {1, 2}) + in_ranks(ctx, "check", ranks_recover)
+
+
+# -- (d) a lease taken over from a job that died holding it ------------------------------------------
+def takeover_tiers(ctx: Ctx) -> list[Any]:
+    from tierio.ckpt import KeepLast, Tier
+
+    return [Tier(str(ctx.root / "shared"), KeepLast(2)), Tier(ctx.s3_url, KeepLast(2))]
+
+
+def takeover_run(ctx: Ctx) -> None:
+    """Job A saves step 1 and is killed holding the leases of both tiers; job B (on the same
+    node, so A's death is provable) takes them over and saves step 2. Public API only."""
+    import os
+    import signal
+
+    from tierio.ckpt import CheckpointManager
+
+    pid = os.fork()
+    if pid == 0:
+        m = CheckpointManager(takeover_tiers(ctx), run_id="job-a", min_keep=1)
+        m.save(1, state_for(1)).wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.waitpid(pid, 0)
+    with CheckpointManager(takeover_tiers(ctx), run_id="job-b", min_keep=1) as m:
+        ctx.arm()
+        h = m.save(2, state_for(2))
+        h.persisted.result()
+        ctx.note("persisted", 2)
+        h.wait()
+        ctx.note("promoted", 2)
+
+
+def takeover_check(ctx: Ctx) -> list[str]:
+    tiers = takeover_tiers(ctx)
+    urls = [str(t.url) for t in tiers]
+    problems = whole_listings(urls, {1, 2})
+    problems += [f"{u}: job A's step 1 was deleted" for u in urls if 1 not in listed(u)]
+    if durable(ctx, "promoted"):
+        problems += [f"{u}: step 2 was promoted but is not listed{why_missing([t], 2)}"
+                     for u, t in zip(urls, tiers) if 2 not in listed(u)]
+    return problems + restore_and_go_on(tiers, {1, 2}, durable(ctx, "persisted"), 3)
+
+
 SCENARIOS: list[Scenario] = [
     Scenario("promote", promote_run, promote_check, s3=True,
              about="(a) one rank: save to a local tier 0, promote to a shared directory and S3, retention"),
+    Scenario("ranks", ranks_run, ranks_check, about="(b) two gloo ranks on two nodes, node-local tier 0, shared tier"),
     Scenario("incremental", incremental_run, incremental_check,
              about="(c) incremental saves referring to an earlier step's shard, retention keeping it"),
+    Scenario("takeover", takeover_run, takeover_check, s3=True,
+             about="(d) a lease taken over from a job killed holding it (directory and S3 tiers)"),
     Scenario("weights", weights_run, weights_check, about="(e) a weight-cache fill that evicts an older model"),
     Scenario("dataset", dataset_run, dataset_check, about="(f) a dataset rebuilt and published over the old one"),
 ]
