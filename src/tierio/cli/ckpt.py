@@ -224,7 +224,7 @@ def _tree_rows(tree: Any, tensors: dict[str, Any], path: str = "", depth: int = 
     rows: list[list[Any]] = []
     if isinstance(tree, dict) and not any(k.startswith("__") for k in tree):
         for k, v in tree.items():
-            name = f"{path}.{k}" if path else str(k)
+            name = f"{path}/{k}" if path else str(k)  # "/" as in the tensor list (model/weight)
             refs = tensor_refs(v)
             if refs:
                 nbytes = sum(tensors[r].nbytes for r in refs if r in tensors)

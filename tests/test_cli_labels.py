@@ -1,0 +1,35 @@
+"""Labels say what was measured, and the same thing is named the same way everywhere."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from tierio.cli.main import main
+
+
+def test_weights_load_cold_drops_the_page_cache_and_says_so(tmp_path, capsys):
+    from safetensors.numpy import save_file
+
+    f = tmp_path / "model.safetensors"
+    save_file({"w": np.ones((512, 512), dtype=np.float32)}, str(f))
+    f.read_bytes()  # now resident
+    assert main(["weights", "load", str(f), "--cold", "--json"]) == 0
+    extra = json.loads(capsys.readouterr().out)["extra"]
+    said = extra["page cache before the load"]
+    assert said == "dropped (cold)" or said.startswith("could not drop all of it"), said
+    assert main(["weights", "load", str(f), "--json"]) == 0  # without --cold: no claim at all
+    assert "page cache before the load" not in json.loads(capsys.readouterr().out).get("extra", {})
+
+
+def test_ckpt_inspect_names_tensors_one_way(tmp_path, capsys):
+    import torch
+
+    from tierio.ckpt import CheckpointManager
+
+    with CheckpointManager([str(tmp_path / "t")]) as mgr:
+        mgr.save(1, {"model": {"weight": torch.ones(4)}}).wait()
+    assert main(["ckpt", "inspect", str(tmp_path / "t"), "--tensors"]) == 0
+    out = capsys.readouterr().out
+    assert "model/weight" in out and "model.weight" not in out
