@@ -33,3 +33,16 @@ def test_ckpt_inspect_names_tensors_one_way(tmp_path, capsys):
     assert main(["ckpt", "inspect", str(tmp_path / "t"), "--tensors"]) == 0
     out = capsys.readouterr().out
     assert "model/weight" in out and "model.weight" not in out
+
+
+def test_gc_dry_run_says_why_it_keeps_more_than_the_policy(tmp_path, capsys):
+    import torch
+
+    from tierio.ckpt import CheckpointManager
+
+    with CheckpointManager([str(tmp_path / "t")]) as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.save(step, {"w": torch.ones(4) * step}).wait()
+    assert main(["ckpt", "gc", str(tmp_path / "t"), "--keep", "last:1", "--dry-run"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "would delete 1 checkpoint(s)" in out and "kept: steps 2, 3, 4 (--min-keep 3: never fewer than 3)" in out

@@ -380,16 +380,20 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.json:
         print_json(result)
         return 1 if report.skipped else 0
+    # why fewer are deleted than the policy says comes first, not after the count it explains
+    for w in report.warnings:
+        say(styled("warning", "yellow"), f": {w}", err=True)
+    sys.stderr.flush()
     verb = "would delete" if args.dry_run else "deleted"
+    floor = (f" (--min-keep {args.min_keep}: never fewer than {args.min_keep})"
+             if report.warnings and len(kept) <= args.min_keep else "")
     say(f"retention {policy} on {args.url}: {verb} {len(doomed)} checkpoint(s)"
               + (f" and {len(partial)} uncommitted director{'y' if len(partial) == 1 else 'ies'}" if partial else ""))
     if doomed:
         say(f"  {verb}: steps {', '.join(map(str, doomed))}")
     if report.leftovers:
         say(f"  removed {report.leftovers} leftover(s) of interrupted writes (temp files, uploads)")
-    say(f"  kept: steps {', '.join(map(str, kept)) or 'none'}")
-    for w in report.warnings:
-        say(styled("warning", "yellow"), f": {w}", err=True)
+    say(f"  kept: steps {', '.join(map(str, kept)) or 'none'}{floor}")
     for s in report.skipped:
         say(styled("error", "red"), f": {s.reason}", err=True)
     sys.stdout.flush()
