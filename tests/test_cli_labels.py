@@ -46,3 +46,13 @@ def test_gc_dry_run_says_why_it_keeps_more_than_the_policy(tmp_path, capsys):
     assert main(["ckpt", "gc", str(tmp_path / "t"), "--keep", "last:1", "--dry-run"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "would delete 1 checkpoint(s)" in out and "kept: steps 2, 3, 4 (--min-keep 3: never fewer than 3)" in out
+
+
+def test_a_bad_device_is_named_in_the_flags_words(tmp_path, capsys):
+    import torch
+
+    assert main(["weights", "load", str(tmp_path), "--device", "tpu"]) == 1
+    assert capsys.readouterr().err.splitlines() == ["tierio weights load: error: --device tpu: use cpu, cuda or cuda:N"]
+    if not torch.cuda.is_available():
+        assert main(["weights", "load", str(tmp_path), "--device", "cuda"]) == 1
+        assert "use --device cpu" in capsys.readouterr().err

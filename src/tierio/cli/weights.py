@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 
 from tierio.cli.output import byte_progress, print_json, print_table
@@ -81,6 +82,12 @@ def cmd_load(args) -> int:
 
     from tierio.weights import LoadStats, load
 
+    # checked here, in the flag's words: torch's own message lists twenty device types, and the
+    # loader's advice is Python (device='cpu'), not the flag to type
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise ConfigError(f"--device {args.device}: use cpu, cuda or cuda:N")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {args.device}: no CUDA device on this machine; use --device cpu")
     dtype = None
     if args.dtype:
         if args.dtype not in DTYPES:
