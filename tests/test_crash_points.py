@@ -11,16 +11,10 @@ from pathlib import Path
 import pytest
 
 from tierio.bench import crash
-from tierio.bench.crash_scenarios import BY_NAME, LOST_DIR
+from tierio.bench.crash_scenarios import BY_NAME
 
 # Points per scenario the suite crashes at (a deterministic sample; seed 0).
 LIMITS = {"promote": 6, "ranks": 4, "incremental": 12, "takeover": 4, "weights": 12, "dataset": 12}
-
-# A known gap, found by this enumeration: a new step directory (LocalStore makes it with mkdir) is
-# never fsynced into its tier's directory, so after a power loss right after a save reported
-# `persisted` (or a promotion reported `promoted`) the whole step directory can be gone, although
-# every file in it was fsynced. Only the after-drop variant (unsynced changes dropped) sees it.
-KNOWN = {"promote": LOST_DIR, "incremental": LOST_DIR, "takeover": LOST_DIR}
 
 _runs: dict[str, crash.Report] = {}
 
@@ -40,10 +34,6 @@ def _enumerate(name: str, base: Path, seaweed) -> crash.Report:
     return _runs[name]
 
 
-def _unexplained(report: crash.Report, name: str) -> list[dict]:
-    known = KNOWN.get(name)
-    return [f for f in report.failed if not (known and f["point"].startswith("after-drop")
-                                             and all(known in p for p in f["problems"]))]
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +47,13 @@ def test_crash_points(name: str, base: Path, seaweed) -> None:
     assert report.operations > 0 and report.points >= report.operations, "nothing was recorded"
     assert report.run == min(LIMITS[name], report.points)
     assert report.unreached < report.run, "the crash runs never reached their points"
-    assert not _unexplained(report, name), _unexplained(report, name)
+    assert not report.failed, report.failed
 
 
-@pytest.mark.xfail(strict=True, reason="a new step directory is never fsynced into its tier's directory: after a "
-                                       "power loss a step reported persisted/promoted can vanish (LocalStore mkdir)")
 def test_a_step_reported_persisted_survives_a_power_loss(tmp_path: Path) -> None:
     """Step 2 was reported persisted (and promoted) before step 3's save began; a power loss as
-    step 3's directory is made must not take step 2 with it."""
+    step 3's directory is made must not take step 2 with it (found by the enumeration: new step
+    directories were never fsynced into their tier's directory)."""
     point = crash.Point("main", "mkdir nvme/step_000000003", 0, "after-drop")
     out, _ = crash.run_trial(BY_NAME["incremental"], tmp_path, point)
     assert out.result == "ok", out.problems

@@ -63,6 +63,9 @@ def open_dir_beneath(root: str | Path, parts: list[str], *, create: bool = False
             if create:
                 try:
                     os.mkdir(part, 0o755, dir_fd=dfd)
+                    # The new name must be durable before anything inside it counts as written:
+                    # fsyncing a file never makes the directory that holds it durable.
+                    os.fsync(dfd)
                 except FileExistsError:
                     pass
             try:
