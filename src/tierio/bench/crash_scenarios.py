@@ -155,11 +155,17 @@ def promote_run(ctx: Ctx) -> None:
     with CheckpointManager(promote_tiers(ctx), run_id="run-1", min_keep=1) as m:
         m.restore()
         ctx.arm()
-        h = m.save(2, state_for(2))
-        h.persisted.result()
-        ctx.note("persisted", 2)
-        h.wait()
-        ctx.note("promoted", 2)
+        save_noted(ctx, m, 2)
+
+
+def save_noted(ctx: Ctx, m: Any, step: int) -> None:
+    """Save ``step``, noting when it was reported persisted and when promoted (what the check may
+    then require to survive)."""
+    h = m.save(step, state_for(step))
+    h.persisted.result()
+    ctx.note("persisted", step)
+    h.wait()
+    ctx.note("promoted", step)
 
 
 def promote_check(ctx: Ctx) -> list[str]:
@@ -440,11 +446,7 @@ def takeover_run(ctx: Ctx) -> None:
     os.waitpid(pid, 0)
     with CheckpointManager(takeover_tiers(ctx), run_id="job-b", min_keep=1) as m:
         ctx.arm()
-        h = m.save(2, state_for(2))
-        h.persisted.result()
-        ctx.note("persisted", 2)
-        h.wait()
-        ctx.note("promoted", 2)
+        save_noted(ctx, m, 2)
 
 
 def takeover_check(ctx: Ctx) -> list[str]:
