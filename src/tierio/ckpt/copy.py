@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from tierio.errors import ConfigError, DanglingReferenceError, IntegrityError, NotFoundError
 from tierio.format.manifest import ChunkInfo, Manifest, RankEntry, RecordRef
-from tierio.format.shard import manifest_key, step_dir, step_key
+from tierio.format.shard import step_dir, step_key
 from tierio.io.buffers import BufferPool
 from tierio.io.checksum import xxh3
 from tierio.io.limiter import TokenBucket

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from tierio.cli.output import print_json, print_table, progress
-from tierio.cli.parsers import action_group, alias, leaf
+from tierio.cli.parsers import action_group, leaf
 from tierio.errors import ConfigError, NotFoundError
 from tierio.units import human_bytes
 
