@@ -15,23 +15,14 @@ import torch
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from metrics_scrape import scrape  # noqa: E402
+
 from tierio import events, metrics  # noqa: E402
 from tierio.ckpt import CheckpointManager  # noqa: E402
 from tierio.errors import ConfigError  # noqa: E402
 from tierio.storage.cache import CacheOptions, FillPlan, NodeCache  # noqa: E402
 
 UNIT = 1 << 16
-
-
-def scrape(port: int) -> dict[str, dict[tuple, float]]:
-    """{sample name: {sorted label items: value}} from a real GET of /metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, dict[tuple, float]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
-    return out
 
 
 def one(samples: dict, name: str, **labels: str) -> float:

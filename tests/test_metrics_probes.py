@@ -9,12 +9,11 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-import urllib.request
 
 import pytest
 
 pytest.importorskip("prometheus_client")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from metrics_scrape import scrape_text  # noqa: E402
 
 from tierio import events, metrics  # noqa: E402
 
@@ -40,16 +39,6 @@ def hung_mount(tmp_path):
         libc.umount2(str(mnt).encode(), 2)  # MNT_DETACH
 
 
-def scrape(port: int) -> tuple[str, dict[str, dict[tuple, float]]]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, dict[tuple, float]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
-    return text, out
-
-
 def probes() -> int:
     return sum(t.name == "tierio-metrics-statvfs" for t in threading.enumerate())
 
@@ -64,7 +53,7 @@ def test_a_hung_mount_does_not_hang_scrapes_nor_pile_up_threads(tmp_path, hung_m
         events.emit(events.CheckpointRestored(1, str(hung_mount), 0.1))
         events.emit(events.CheckpointRestored(1, str(ok), 0.1))
         for _ in range(3):
-            _, got = scrape(ex.port)  # each answers, after at most PROBE_WAIT for the hung tier
+            _, got = scrape_text(ex.port)  # each answers, after at most PROBE_WAIT for the hung tier
             assert got["tierio_tier_free_bytes"][(("tier", str(ok)),)] > 0
             assert got["tierio_tier_space_age_seconds"][(("tier", str(ok)),)] == 0
             assert (("tier", str(hung_mount)),) not in got["tierio_tier_free_bytes"]  # never read
@@ -79,6 +68,6 @@ def test_tier_labels_never_carry_credentials(tmp_path):
     with metrics.serve(0) as ex:
         events.emit(events.CheckpointRestored(1, url, 0.5))
         events.emit(events.PromotionFailed(1, url, "test", False))
-        text, got = scrape(ex.port)
+        text, got = scrape_text(ex.port)
     assert "hunter2" not in text and "AKIAEXAMPLE" not in text
     assert (("tier", "s3://bkt/run?endpoint=http://127.0.0.1:9000"),) in got["tierio_checkpoint_restore_seconds_count"]
