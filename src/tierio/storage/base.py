@@ -98,6 +98,12 @@ def check_key(key: str, where: str | None = None) -> str:
     return key
 
 
+def where(store: Store, key: str) -> str:
+    """``store``'s URL and ``key`` as one name for messages (query options such as endpoint= left off)."""
+    base = str(getattr(store, "url", "")).split("?", 1)[0].rstrip("/")
+    return f"{base}/{key}"
+
+
 def list_sizes(store: Store, prefix: str = "") -> dict[str, int]:
     """Every key under ``prefix`` with its size: one listing where the store can say sizes in it
     (LocalStore, S3Store), else a listing and one stat per key. A size the store could not say is -1."""

@@ -63,6 +63,11 @@ def open_store(url: str | Path, **options: Any) -> Store:
     raise ConfigError(f"unsupported store URL {text!r}: use a path, file:///path or s3://bucket/prefix")
 
 
+def as_store(url_or_store: str | Path | Store, **options: Any) -> Store:
+    """A ``Store`` given as itself, or opened from the URL or path that names it (``open_store``)."""
+    return url_or_store if isinstance(url_or_store, Store) else open_store(url_or_store, **options)
+
+
 def _seconds(value: str, url: str) -> float:
     try:
         seconds = float(value)
