@@ -9,9 +9,9 @@ import torch
 
 from kv_helpers import LAYOUT, NS, assert_clean, block_of, cache, config, put_chain, read_back, tokens
 from tierio.errors import ConfigError, StorageError
-from tierio.kv import DecodeSLA, KVCache, KVConfig, Tier
+from tierio.kv import DecodeSLA, KVCache, KVConfig, KVTier
 
-DRAM, NVME = Tier.DRAM, Tier.NVME
+DRAM, NVME = KVTier.DRAM, KVTier.NVME
 
 
 def test_put_lookup_get_in_dram():

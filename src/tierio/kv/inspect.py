@@ -14,9 +14,9 @@ from tierio.errors import FormatError, NotFoundError, TierioError
 from tierio.io.buffers import HostBuffer
 from tierio.io.files import os_error, pread_full, read_into
 from tierio.io.paths import open_beneath
-from tierio.kv.shared import block_checksum
-from tierio.kv.slab import read_header
-from tierio.kv.slabindex import INDEX_NAME, LOCK_NAME, RECORD_BYTES, Geometry, SlotRecord, parse_index, slab_name
+from tierio.kv.tiers.shared import block_checksum
+from tierio.kv.tiers.slab import read_header
+from tierio.kv.tiers.slabindex import INDEX_NAME, LOCK_NAME, RECORD_BYTES, Geometry, SlotRecord, parse_index, slab_name
 
 
 @dataclass

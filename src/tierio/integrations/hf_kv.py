@@ -30,7 +30,7 @@ from tierio.kv.config import KVConfig
 from tierio.kv.keys import Namespace
 from tierio.kv.layout import DEFAULT_BLOCK_TOKENS, BlockLayout
 from tierio.kv.results import Pending, PrefetchResult
-from tierio.kv.router import KVCache
+from tierio.kv.cache import KVCache
 from tierio.kv.rule import DecodeSLA
 
 _SAMPLE_WINDOWS = 16  # windows sampled from each tensor, spread over all of its bytes
