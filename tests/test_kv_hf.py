@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tierio.errors import ConfigError
-from tierio.kv import KVCache, KVConfig, KVTier
 from tierio.integrations.hf_kv import PrefixCache, greedy_generate, layout_for, model_identity, namespace_for
+from tierio.kv import KVCache, KVConfig, KVTier
 
 transformers = pytest.importorskip("transformers")
 
@@ -125,3 +125,15 @@ def test_layouts_that_do_not_fit_are_refused():
         num_key_value_heads=1, sliding_window=8))
     with pytest.raises(ConfigError, match="sliding-window"):
         layout_for(mistral)
+
+
+def test_old_import_paths_warn_and_still_work() -> None:
+    import tierio.integrations.hf_kv as hf_kv
+    import tierio.kv
+    import tierio.kv.hf as old
+
+    with pytest.warns(DeprecationWarning, match="tierio.integrations.hf_kv"):
+        assert old.PrefixCache is hf_kv.PrefixCache
+    with pytest.warns(DeprecationWarning, match="KVTier"):
+        assert tierio.kv.Tier is KVTier
+    assert "Tier" not in tierio.kv.__all__

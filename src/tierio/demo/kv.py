@@ -15,9 +15,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from tierio.kv.config import KVConfig
 from tierio.integrations.hf_kv import PrefixCache, greedy_generate, layout_for
-from tierio.kv.stats import KVTier
+from tierio.kv import KVConfig, KVTier
 
 
 @dataclass(frozen=True)

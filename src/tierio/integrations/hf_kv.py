@@ -11,7 +11,7 @@ whole blocks are cached: the tail of a prompt shorter than a block is recomputed
 
 Works with models whose every layer keeps a full (not sliding-window) cache of shape
 ``[batch, kv_heads, tokens, head_dim]``, batch 1, on CPU or one accelerator. Imports torch and
-transformers; the rest of ``tierio.kv`` does not.
+transformers; ``tierio.kv`` itself does not (``tierio.kv.hf`` is this module's old name).
 """
 
 from __future__ import annotations
@@ -23,15 +23,11 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 import torch
-import xxhash
 
 from tierio.errors import ConfigError
-from tierio.kv.config import KVConfig
-from tierio.kv.keys import Namespace
-from tierio.kv.layout import DEFAULT_BLOCK_TOKENS, BlockLayout
-from tierio.kv.results import Pending, PrefetchResult
-from tierio.kv.cache import KVCache
-from tierio.kv.rule import DecodeSLA
+from tierio.io.checksum import xxh3_128_hex
+from tierio.kv import BlockLayout, DecodeSLA, KVCache, KVConfig, Namespace, Pending, PrefetchResult
+from tierio.kv.layout import DEFAULT_BLOCK_TOKENS
 
 _SAMPLE_WINDOWS = 16  # windows sampled from each tensor, spread over all of its bytes
 _WINDOW_BYTES = 256
@@ -79,12 +75,12 @@ def model_identity(model: Any) -> str:
     sample, and reading it costs one small copy per tensor."""
     cfg = model.config
     doc = {k: v for k, v in cfg.to_dict().items() if k != "transformers_version"}
-    h = xxhash.xxh3_128(json.dumps(doc, sort_keys=True, default=str).encode())
+    parts = [json.dumps(doc, sort_keys=True, default=str).encode()]  # hashed as one run: samples are small
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-        h.update(_tensor_sample(t))
+        parts.append(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        parts.append(_tensor_sample(t))
     name = getattr(cfg, "_name_or_path", "") or getattr(cfg, "model_type", "model")
-    return f"{name}@{h.hexdigest()}"
+    return f"{name}@{xxh3_128_hex(b''.join(parts))}"
 
 
 def namespace_for(model: Any, *, model_id: str | None = None, adapter: str = "", salt: str = "",

@@ -26,9 +26,12 @@ Routing (see docs/kv.md):
   released on every path, and no call waits without a deadline.
 
 Locking: one lock guards all bookkeeping, every change of which is a ``ledger.Ledger`` method; no
-I/O runs under it. The work is split by what it moves: ``moves`` (slots and write-downs),
-``prefetch`` (promotions), ``transfers`` (puts and gets), on ``core`` (shared state and helpers). A thread only ever waits for a transfer that is running on another thread, or
+I/O runs under it. A thread only ever waits for a transfer that is running on another thread, or
 runs a queued one itself, so calls cannot deadlock each other however many threads use the cache.
+
+The work is split by what it moves: ``moves`` (slots and write-downs), ``prefetch`` (promotions),
+``transfers`` (puts and gets), all on ``core`` (shared state and helpers); this module is the
+public face.
 """
 
 from __future__ import annotations

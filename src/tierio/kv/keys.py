@@ -39,7 +39,8 @@ class Namespace:
     """Everything besides the tokens that decides a block's bytes.
 
     ``model``: a stable identity of the weights (a hub id with its revision, or a fingerprint, see
-    ``tierio.kv.hf.model_identity``); ``adapter``: LoRA or other adapter identity ("" for none);
+    ``tierio.integrations.hf_kv.model_identity``); ``adapter``: LoRA or other adapter identity
+    ("" for none);
     ``salt``: isolates tenants (blocks of different salts never match)."""
 
     model: str
