@@ -5,25 +5,19 @@ Ownership: the ledger is the only code that changes an ``Entry`` or a ``Copy`` (
 entries by key, the LRU orders, the ghost uses), and only while ``lock`` is held by the caller of
 its methods. The cache (``cache.KVCache`` and the modules it is built from) moves bytes: before
 and after each transfer it calls a ledger method, holding ``lock``, to take or give back slots,
-readers and pins, and it reads entries only through what those methods return (an entry handed
-back is read under the lock, or for fields no other thread changes while the caller holds a
-reader on one of its copies). Tiers own their bytes and free lists; the ledger takes and gives
-back their slots. Counters are the cache's, changed under the same lock.
+readers and pins, and reads entries only through what those methods return (under the lock, or
+fields nobody changes while it holds a reader on a copy). Tiers own their bytes and free lists;
+the ledger takes and gives back their slots. Counters are the cache's, under the same lock.
 
-Invariants (``problems``, stated in ``invariants``): each slot of a tier is free, in hand (taken
-by a thread about to attach it), in limbo (its copy was dropped while still being read) or held by
-exactly one copy; a LEAVING copy is counted in ``leaving`` of its tier and has its write-down
-queued in that tier's ``writes`` or running on some thread.
+Invariants (``problems``, stated in ``invariants``): each slot is free, in hand, in limbo (its
+copy dropped while still read) or held by exactly one copy; a LEAVING copy is counted in
+``leaving`` and has its write-down queued in its tier's ``writes`` or running on some thread.
 
 The memory tiers (``pools``: the optional device pool, DRAM) are kept alike: puts and prefetches
-fill their slots, and their least recently used blocks are written down to the tier below, the
-device tier's into DRAM and DRAM's to NVMe and the shared store. Each tier has its own queue of
-write-downs, so finishing a device block's write-down (which needs a DRAM slot, and may run a
-DRAM write-down for it) never waits on the device tier's own queue.
-
-Eviction is LRU per tier and prefix-aware (see ``entries``): a chain is touched tail first, and a
-block whose eviction would lose it while blocks extending it are cached is passed over while any
-other candidate exists.
+fill their slots, and their least recently used blocks (prefix-aware LRU, see ``entries``) are
+written down, the device tier's into DRAM and DRAM's to NVMe and the shared store. Each tier has
+its own queue of write-downs, so finishing a device block's write-down (which needs a DRAM slot,
+and may run a DRAM write-down for it) never waits on the device tier's own queue.
 """
 
 from __future__ import annotations
@@ -167,7 +161,7 @@ class Ledger:
                 if e.copy(tier) is not None:
                     self._lru[tier].move_to_end(e.key)
 
-    def set_checksum(self, e: Entry, checksum: int) -> None:
+    def set_checksum(self, e: Entry, checksum: int) -> None:  # a block read from the shared store
         e.checksum = checksum
 
     # -- what goes where --------------------------------------------------------------------------
@@ -224,8 +218,7 @@ class Ledger:
             self.space.notify_all()
 
     def evict_one(self, tier: KVTier, protect: frozenset[bytes], *, strict: bool) -> tuple[bool, WriteDown | None]:
-        """Start evicting ``tier``'s best victim to free a slot: (a victim was found, the write-down
-        to run outside the lock, or None when its copy was dropped at once)."""
+        """Start evicting ``tier``'s best victim: (found one, its write-down or None if dropped at once)."""
         victim = self._victim(tier, protect, strict=strict)
         if victim is None:
             return False, None
@@ -393,14 +386,12 @@ class Ledger:
         return WriteDown(e, src, dst, evict, upload)
 
     def attach_demotion(self, job: WriteDown, slot: int) -> bool:
-        """A device write-down found DRAM ``slot`` (in hand): attach it as the job's FILLING copy.
-        False when the block got a DRAM copy meanwhile (the slot went back)."""
+        """Attach DRAM ``slot`` (in hand) as a device write-down's FILLING copy; False: one exists."""
         _, job.dst = self.attach_filling(KVTier.DRAM, job.entry.key, job.entry.parent, slot, unless_cached=False)
         return job.dst is not None
 
     def flush_jobs(self, tier: KVTier, also: Callable[[Entry], bool]) -> list[WriteDown]:
-        """Write-downs (keeping the copy) of the admitted blocks of ``tier`` that have no NVMe copy
-        and satisfy ``also``."""
+        """Write-downs (keeping the copy) of ``tier``'s admitted blocks with no NVMe copy, if ``also``."""
         jobs = []
         for e in list(self._lru[tier].values()):
             c = e.copy(tier)
