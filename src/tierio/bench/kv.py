@@ -39,7 +39,7 @@ import numpy as np
 
 from tierio.bench.common import drop_caches, machine_facts, run_fio
 from tierio.io.buffers import HostBuffer
-from tierio.kv import BlockLayout, KVCache, KVConfig, Namespace, KVTier
+from tierio.kv import BlockLayout, KVCache, KVConfig, KVTier, Namespace
 from tierio.units import MiB, parse_size
 
 TARGETS = {
