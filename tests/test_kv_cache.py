@@ -9,9 +9,9 @@ import torch
 
 from kv_helpers import LAYOUT, NS, assert_clean, block_of, cache, config, put_chain, read_back, tokens
 from tierio.errors import ConfigError, StorageError
-from tierio.kv import DecodeSLA, KVCache, KVConfig, Tier
+from tierio.kv import DecodeSLA, KVCache, KVConfig, KVTier
 
-DRAM, NVME = Tier.DRAM, Tier.NVME
+DRAM, NVME = KVTier.DRAM, KVTier.NVME
 
 
 def test_put_lookup_get_in_dram():
@@ -201,3 +201,18 @@ def test_bad_arguments_are_config_errors(tmp_path):
         KVConfig(nvme_bytes=1 << 20)
     with pytest.raises(ConfigError):
         KVConfig(dram_bytes=-1)
+
+
+def test_sizes_take_text_and_the_cache_takes_overrides(tmp_path) -> None:
+    from tierio.kv import Move, PrefetchResult
+
+    assert KVConfig(dram_bytes="64KiB").dram_bytes == 64 << 10
+    with KVCache(LAYOUT, NS, KVConfig(dram_bytes=1 << 20), dram_bytes="128KiB") as c:
+        assert c.config.dram_bytes == 128 << 10
+        keys = c.hash_blocks(tokens(2))
+        pending = c.put(keys, [block_of(k) for k in keys])
+        assert pending.wait(timeout=30).stored == 2 and pending.done() and pending.result().stored == 2
+        d = c.stats().to_dict()
+        assert d["tiers"][0]["tier"] == "dram" and d["tiers"][0]["capacity_bytes"] == d["tiers"][0]["slots"] * \
+            d["tiers"][0]["slot_bytes"]
+    assert PrefetchResult.of([Move.MOVED, Move.LATE, Move.MOVED]) == PrefetchResult(2, 0, 1, 0)

@@ -6,7 +6,7 @@ import json
 
 from kv_helpers import cache, put_chain, tokens
 from tierio.cli.main import main
-from tierio.kv.slabindex import INDEX_NAME, RECORD_BYTES, slab_name
+from tierio.kv.tiers.slabindex import INDEX_NAME, RECORD_BYTES, slab_name
 
 
 def _tier(tmp_path):

@@ -13,9 +13,9 @@ import torch
 
 from kv_helpers import LAYOUT, NS, assert_clean, block_of, config, put_chain, read_back, tokens
 from tierio.errors import ConfigError
-from tierio.kv import KVCache, KVConfig, Tier
+from tierio.kv import KVCache, KVConfig, KVTier
 
-DEVICE, DRAM, NVME = Tier.DEVICE, Tier.DRAM, Tier.NVME
+DEVICE, DRAM, NVME = KVTier.DEVICE, KVTier.DRAM, KVTier.NVME
 B = LAYOUT.block_bytes  # 8 KiB: slots are the block size, so budgets below are whole blocks
 NO_CUDA = not torch.cuda.is_available()
 
@@ -231,7 +231,7 @@ def test_the_benchmark_names_why_it_skips_the_device_tier():
 
 def test_a_prefix_cache_with_a_device_tier_generates_the_same_tokens(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from tierio.kv.hf import PrefixCache, greedy_generate, layout_for
+    from tierio.integrations.hf_kv import PrefixCache, greedy_generate, layout_for
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tierio.errors import ConfigError
-from tierio.kv import KVCache, KVConfig, Tier
-from tierio.kv.hf import PrefixCache, greedy_generate, layout_for, model_identity, namespace_for
+from tierio.integrations.hf_kv import PrefixCache, greedy_generate, layout_for, model_identity, namespace_for
+from tierio.kv import KVCache, KVConfig, KVTier
 
 transformers = pytest.importorskip("transformers")
 
@@ -61,7 +61,7 @@ def test_bfloat16_models_round_trip_bit_exact():
         name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         with torch.no_grad():
             model(ids[:, :64], use_cache=True, **{name: ref})
-        from tierio.kv.hf import cache_layers
+        from tierio.integrations.hf_kv import cache_layers
 
         for (k, v), (rk, rv) in zip(cache_layers(pre.cache), cache_layers(ref), strict=True):
             assert torch.equal(k[:, :, :64], rk) and torch.equal(v[:, :, :64], rv)
@@ -109,7 +109,7 @@ def test_another_model_never_hits_the_same_tier(tmp_path):
         assert pc.generate(ids, 2).cached_tokens == 0
     with PrefixCache.open(a, cfg, block_tokens=BLOCK) as pc:
         hit = pc.kv.lookup(pc.kv.hash_blocks(ids[0]))
-        assert hit.blocks == 5 and set(hit.tiers) == {Tier.NVME}
+        assert hit.blocks == 5 and set(hit.tiers) == {KVTier.NVME}
 
 
 def test_layouts_that_do_not_fit_are_refused():
@@ -125,3 +125,15 @@ def test_layouts_that_do_not_fit_are_refused():
         num_key_value_heads=1, sliding_window=8))
     with pytest.raises(ConfigError, match="sliding-window"):
         layout_for(mistral)
+
+
+def test_old_import_paths_warn_and_still_work() -> None:
+    import tierio.integrations.hf_kv as hf_kv
+    import tierio.kv
+    import tierio.kv.hf as old
+
+    with pytest.warns(DeprecationWarning, match="tierio.integrations.hf_kv"):
+        assert old.PrefixCache is hf_kv.PrefixCache
+    with pytest.warns(DeprecationWarning, match="KVTier"):
+        assert tierio.kv.Tier is KVTier
+    assert "Tier" not in tierio.kv.__all__

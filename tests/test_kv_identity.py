@@ -9,9 +9,9 @@ import torch
 
 from kv_helpers import assert_clean, cache, put_chain, read_back, tokens
 from tierio.errors import ConfigError
-from tierio.kv import Tier
+from tierio.kv import KVTier
 from tierio.kv.config import KVConfig
-from tierio.kv.shared import HEADER_BYTES, block_checksum, object_key, pack_header
+from tierio.kv.tiers.shared import HEADER_BYTES, block_checksum, object_key, pack_header
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,7 +28,7 @@ def _llama() -> torch.nn.Module:
 
 
 def test_a_merged_lora_changes_the_model_identity():
-    from tierio.kv.hf import model_identity
+    from tierio.integrations.hf_kv import model_identity
 
     base, tuned = _llama(), _llama()
     assert model_identity(base) == model_identity(tuned)  # same weights: same identity
@@ -42,7 +42,7 @@ def test_a_merged_lora_changes_the_model_identity():
 
 
 def test_a_change_in_the_last_bytes_of_one_tensor_changes_the_identity():
-    from tierio.kv.hf import model_identity
+    from tierio.integrations.hf_kv import model_identity
 
     model = _llama()
     before = model_identity(model)
@@ -71,7 +71,7 @@ def test_blocks_without_a_valid_mac_are_misses(tmp_path):
         attacker.close()
     reader = cache(tmp_path / "reader", dram_blocks=8, shared_url=str(shared), shared_secret=SECRET)
     try:
-        assert read_back(reader, good) == (1, [Tier.SHARED])  # the first block, MAC'd, is served
+        assert read_back(reader, good) == (1, [KVTier.SHARED])  # the first block, MAC'd, is served
         assert read_back(reader, forged) == (0, [])
         assert reader.stats().counters.unauthenticated == 2
         assert reader.stats().counters.integrity_errors == 0

@@ -15,8 +15,8 @@ import pytest
 
 from kv_helpers import LAYOUT, assert_clean, cache, put_chain, read_back, tokens
 from tierio.errors import ConfigError, FormatError, StorageError
-from tierio.kv import Tier
-from tierio.kv.slabindex import HEADER_NAME, INDEX_NAME, RECORD_BYTES, slab_name
+from tierio.kv import KVTier
+from tierio.kv.tiers.slabindex import HEADER_NAME, INDEX_NAME, RECORD_BYTES, slab_name
 
 HERE = Path(__file__).resolve().parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)])}
@@ -71,7 +71,7 @@ def test_after_kill_9_committed_blocks_come_back_verified(tmp_path):
         for j in range(60):
             n, tiers = read_back(c, c.hash_blocks(tokens(4, seed=j)))  # asserts every delivered byte
             delivered += n
-            assert set(tiers) <= {Tier.NVME}
+            assert set(tiers) <= {KVTier.NVME}
         assert delivered >= recovered - 8  # at most the blocks of the last writes in flight are lost
         assert c.stats().counters.integrity_errors == 0
         assert_clean(c)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kv_helpers import assert_clean, cache, put_chain, read_back, tokens
-from tierio.kv import Tier
-from tierio.kv.shared import object_key
+from tierio.kv import KVTier
+from tierio.kv.tiers.shared import object_key
 
 
 def _two_nodes(tmp_path, url):
@@ -25,11 +25,11 @@ def _share_and_read(tmp_path, url):
         a.flush()  # written down to node a's NVMe, and uploaded
         assert a.stats().counters.uploaded == 9
         hit = b.lookup(chains[0])
-        assert (hit.blocks, hit.tiers) == (3, [Tier.SHARED] * 3)
-        assert read_back(b, chains[0]) == (3, [Tier.SHARED] * 3)
+        assert (hit.blocks, hit.tiers) == (3, [KVTier.SHARED] * 3)
+        assert read_back(b, chains[0]) == (3, [KVTier.SHARED] * 3)
         res = b.prefetch(chains[1]).result()
         assert res.moved == 3
-        assert read_back(b, chains[1]) == (3, [Tier.DRAM] * 3)
+        assert read_back(b, chains[1]) == (3, [KVTier.DRAM] * 3)
         assert b.stats().counters.served_shared == 3
         assert_clean(a)
         assert_clean(b)
@@ -51,7 +51,7 @@ def test_a_shared_directory_carries_blocks_between_nodes(tmp_path):
     c = cache(tmp_path / "node-c", dram_blocks=8, shared_url=str(shared))
     try:
         assert read_back(c, chains[2]) == (0, [])
-        assert read_back(c, chains[0]) == (1, [Tier.SHARED])
+        assert read_back(c, chains[0]) == (1, [KVTier.SHARED])
         assert c.stats().counters.integrity_errors == 2
         assert c.prefetch(chains[2]).result().failed >= 1
         assert_clean(c)

@@ -16,7 +16,7 @@ import torch  # noqa: F401 - the I/O bounce pool's first buffer asks torch wheth
 
 from kv_helpers import assert_clean
 from tierio.bench.common import rss_bytes
-from tierio.kv import BlockLayout, KVCache, KVConfig, Namespace, Tier
+from tierio.kv import BlockLayout, KVCache, KVConfig, Namespace, KVTier
 
 LAYOUT = BlockLayout(layers=1, kv_heads=1, head_dim=8, dtype="float16", tokens=4)  # 128-byte blocks, 4 KiB slots
 THREADS = 8
@@ -59,7 +59,7 @@ class Worker:
         elif op < 0.75:
             c.lookup(keys)
         elif op < 0.85:
-            c.prefetch(keys, deadline_s=1.0, into=self.rng.choice((Tier.DRAM, Tier.DEVICE))).result()
+            c.prefetch(keys, deadline_s=1.0, into=self.rng.choice((KVTier.DRAM, KVTier.DEVICE))).result()
         elif op < 0.93:
             with c.lease(keys) as n:
                 got = c.get(keys[:n], self.out[:n * LAYOUT.block_bytes]).result().blocks
@@ -134,7 +134,7 @@ def test_eight_threads_with_a_device_tier_keep_every_invariant(small_tmpfs):
     assert seen == []
     assert [e for w in workers for e in w.errors] == []
     st = c.stats()
-    assert [t.tier for t in st.tiers] == [Tier.DEVICE, Tier.DRAM, Tier.NVME]
+    assert [t.tier for t in st.tiers] == [KVTier.DEVICE, KVTier.DRAM, KVTier.NVME]
     assert all(t.used <= t.slots for t in st.tiers)
     assert st.counters.demoted > 0 and st.counters.served_device > 0 and st.counters.written_down > 0
     assert_clean(c)

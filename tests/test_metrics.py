@@ -240,7 +240,7 @@ def test_stateful_loader_and_shard_cache_report_in_process(tmp_path: Path, expor
 
 def test_kv_cache_gets_report_blocks_served_per_tier(tmp_path: Path, exporter) -> None:
     from kv_helpers import cache, put_chain, read_back, tokens
-    from tierio.kv import Tier
+    from tierio.kv import KVTier as Tier
 
     with cache(tmp_path, dram_blocks=16, admit_uses=1) as c:
         keys = c.hash_blocks(tokens(6))
@@ -260,7 +260,7 @@ def test_kv_cache_gets_report_blocks_served_per_tier(tmp_path: Path, exporter) -
 
 def test_kv_blocks_served_by_the_device_tier_are_counted_as_device(tmp_path: Path, exporter) -> None:
     from kv_helpers import LAYOUT, cache, put_chain, read_back, tokens
-    from tierio.kv import Tier
+    from tierio.kv import KVTier as Tier
 
     with cache(tmp_path, dram_blocks=16, device_bytes=8 * LAYOUT.block_bytes, device="cpu") as c:  # a CPU tensor stands in for HBM
         keys = c.hash_blocks(tokens(3))

@@ -39,7 +39,7 @@ import numpy as np
 
 from tierio.bench.common import drop_caches, machine_facts, run_fio
 from tierio.io.buffers import HostBuffer
-from tierio.kv import BlockLayout, KVCache, KVConfig, Namespace, Tier
+from tierio.kv import BlockLayout, KVCache, KVConfig, KVTier, Namespace
 from tierio.units import MiB, parse_size
 
 TARGETS = {
@@ -103,7 +103,7 @@ def bench_dram(size: int, layout: BlockLayout, rounds: int) -> dict:
         gets, copies = [], []
         for _ in range(max(1, rounds) + 1):  # the first round warms caches and threads: dropped
             res, t = _timed(lambda: cache.get(keys, dst.array[:nbytes]).result())
-            assert res.blocks == n and res.tiers == [Tier.DRAM] * n, res
+            assert res.blocks == n and res.tiers == [KVTier.DRAM] * n, res
             gets.append(t)
             _, t = _timed(lambda: np.copyto(dst.array[:nbytes], src.array[:nbytes]))
             copies.append(t)
@@ -140,12 +140,12 @@ def bench_nvme(size: int, layout: BlockLayout, work: Path, rounds: int) -> dict:
             res, t = _timed(put_all)
             assert res.stored == n, res
             puts.append(nbytes / t)
-            cache.evict(keys, Tier.DRAM)
-            assert cache.lookup(keys).tiers == [Tier.NVME] * n
+            cache.evict(keys, KVTier.DRAM)
+            assert cache.lookup(keys).tiers == [KVTier.NVME] * n
             fio_r.append(run_fio(work, "read", nbytes)["bytes_per_s"])
             drop_caches([work / "kv"])
             got, t = _timed(lambda keys=keys: cache.get(keys, dst.array[:nbytes]).result())
-            assert got.blocks == n and got.tiers == [Tier.NVME] * n, got
+            assert got.blocks == n and got.tiers == [KVTier.NVME] * n, got
             gets.append(nbytes / t)
         for i in (0, half, n - 1):
             if not np.array_equal(dst.array[i * layout.block_bytes:(i + 1) * layout.block_bytes], sources[i]):
@@ -179,7 +179,7 @@ def bench_device(size: int, layout: BlockLayout, rounds: int) -> dict:
     with KVCache(layout, Namespace("bench-kv"), cfg) as cache:
         keys = _chain(cache, n, 4)
         stored = cache.put(keys, src).result()
-        assert stored.stored == n and cache.lookup(keys).tiers == [Tier.DEVICE] * n, stored
+        assert stored.stored == n and cache.lookup(keys).tiers == [KVTier.DEVICE] * n, stored
         gets, copies = [], []
 
         def copy() -> None:
@@ -188,7 +188,7 @@ def bench_device(size: int, layout: BlockLayout, rounds: int) -> dict:
 
         for _ in range(max(1, rounds) + 1):  # the first round warms up: dropped
             res, t = _timed(lambda: cache.get(keys, dst).result())
-            assert res.blocks == n and res.tiers == [Tier.DEVICE] * n, res
+            assert res.blocks == n and res.tiers == [KVTier.DEVICE] * n, res
             gets.append(t)
             _, t = _timed(copy)
             copies.append(t)
@@ -222,7 +222,7 @@ def bench_model(args, work: Path) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tierio.kv.hf import PrefixCache, greedy_generate, layout_for
+    from tierio.integrations.hf_kv import PrefixCache, greedy_generate, layout_for
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
@@ -271,7 +271,7 @@ def _miss_overhead(model, bt: int, rounds: int, prompts: int = 2, new_tokens: in
     the same work), and the ratio of total tokens over total time is reported beside it."""
     import torch
 
-    from tierio.kv.hf import PrefixCache, greedy_generate, layout_for
+    from tierio.integrations.hf_kv import PrefixCache, greedy_generate, layout_for
 
     gen = torch.Generator().manual_seed(11)
     block = layout_for(model, bt).block_bytes

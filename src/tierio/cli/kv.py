@@ -43,7 +43,7 @@ def cmd_stats(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from tierio.kv.demo import ChatDemo, run_demo
+    from tierio.demo.kv import ChatDemo, run_demo
 
     with progress("kv demo: users taking turns", quiet=args.json):
         result = run_demo(ChatDemo(directory=args.dir, users=args.users, turns=args.turns,

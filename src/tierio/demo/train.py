@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from tierio.demo.data import TokenLoader
 from tierio.demo.model import GPT, GPTConfig
+from tierio.io.checksum import xxh3
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class Trainer:
 
         def add(name: str, t: torch.Tensor) -> None:
             t = t.detach().contiguous().reshape(-1)
-            out[name] = xxhash.xxh3_64_hexdigest(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            out[name] = xxh3(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
         for name, t in self.model.state_dict().items():
             add(f"model.{name}", t)

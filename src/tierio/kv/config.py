@@ -1,4 +1,6 @@
-"""Options of a KV cache, grouped: budgets per tier, watermarks, admission, I/O shape, timeouts."""
+"""Options of a KV cache, grouped: budgets per tier, watermarks, admission, I/O shape, timeouts.
+``KVConfig`` is the capability's ``tierio.options.Options``: sizes are ``*_bytes`` fields that take
+an int or text such as ``"64MiB"``, and ``KVCache(..., **overrides)`` resolves keywords on top."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierio.errors import ConfigError
+from tierio.options import Options
 from tierio.units import MiB
 
 SECRET_ENV = "TIERIO_KV_SECRET"  # the deployment's shared-tier secret when the config names none
@@ -27,8 +30,8 @@ class Watermarks:
 
 
 @dataclass(frozen=True)
-class KVConfig:
-    """Budgets are bytes. A tier whose budget holds no whole block is left out.
+class KVConfig(Options):
+    """Budgets are bytes (an int, or text such as ``"4GiB"``). A tier whose budget holds no whole block is left out.
 
     ``device_bytes``/``device``: an optional pool in accelerator memory above DRAM (0, the
     default: none; the engine's own KV memory stays the engine's). ``device`` names a torch device:
@@ -69,6 +72,7 @@ class KVConfig:
         return raw.encode() if isinstance(raw, str) else raw
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # "64MiB" → int before the checks below
         for name in ("dram_bytes", "nvme_bytes", "device_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:

@@ -14,13 +14,14 @@ from tierio.errors import FormatError, NotFoundError, TierioError
 from tierio.io.buffers import HostBuffer
 from tierio.io.files import os_error, pread_full, read_into
 from tierio.io.paths import open_beneath
-from tierio.kv.shared import block_checksum
-from tierio.kv.slab import read_header
-from tierio.kv.slabindex import INDEX_NAME, LOCK_NAME, RECORD_BYTES, Geometry, SlotRecord, parse_index, slab_name
+from tierio.kv.tiers.shared import block_checksum
+from tierio.kv.tiers.slab import read_header
+from tierio.kv.tiers.slabindex import INDEX_NAME, LOCK_NAME, RECORD_BYTES, Geometry, SlotRecord, parse_index, slab_name
+from tierio.stats import Stats
 
 
 @dataclass
-class TierReport:
+class TierReport(Stats):
     directory: str
     geometry: Geometry
     layout: dict
@@ -40,7 +41,7 @@ class TierReport:
     def capacity_bytes(self) -> int:
         return self.geometry.nslots * self.geometry.slot_bytes
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict:  # the geometry flattened, as `tierio kv stats --json` has always printed it
         g = self.geometry
         return {"directory": self.directory, "layout": self.layout, "block_bytes": g.block_bytes, "slot_bytes": g.slot_bytes,
                 "slots_per_slab": g.slots_per_slab, "slabs": g.slabs, "slots": g.nslots, "blocks": self.blocks,

@@ -23,9 +23,8 @@ from dataclasses import asdict, dataclass
 from typing import NewType
 
 import numpy as np
-import xxhash
-
 from tierio.errors import ConfigError
+from tierio.io.checksum import xxh3_128
 from tierio.kv.layout import BlockLayout
 
 BlockKey = NewType("BlockKey", bytes)
@@ -40,7 +39,8 @@ class Namespace:
     """Everything besides the tokens that decides a block's bytes.
 
     ``model``: a stable identity of the weights (a hub id with its revision, or a fingerprint, see
-    ``tierio.kv.hf.model_identity``); ``adapter``: LoRA or other adapter identity ("" for none);
+    ``tierio.integrations.hf_kv.model_identity``); ``adapter``: LoRA or other adapter identity
+    ("" for none);
     ``salt``: isolates tenants (blocks of different salts never match)."""
 
     model: str
@@ -59,7 +59,7 @@ class Namespace:
 def root_key(namespace: Namespace, layout: BlockLayout) -> BlockKey:
     """The parent of every chain's first block: a digest of the namespace and the layout."""
     doc = {"v": KEY_VERSION, **asdict(namespace), "layout": layout.describe()}
-    return BlockKey(xxhash.xxh3_128_digest(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()))
+    return BlockKey(xxh3_128(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()))
 
 
 def token_array(token_ids) -> np.ndarray:
@@ -85,7 +85,7 @@ def chain_keys(root: BlockKey, token_ids, block_tokens: int) -> list[BlockKey]:
     raw = tokens.tobytes()
     keys: list[BlockKey] = []
     parent = root
-    digest = xxhash.xxh3_128_digest
+    digest = xxh3_128
     for start in range(0, (len(raw) // step) * step, step):
         parent = BlockKey(digest(parent + raw[start:start + step]))
         keys.append(parent)

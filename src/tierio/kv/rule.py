@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tierio.errors import ConfigError
+from tierio.stats import Stats
 
 
 @dataclass(frozen=True)
-class FetchRule:
+class FetchRule(Stats):
     """Decode-latency cost of fetching KV blocks from a slower tier.
 
     overhead = fetch fraction × fetch latency / decode latency per token; viable when the

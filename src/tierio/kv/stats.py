@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierio.stats import Stats
 
 
-class Tier(str, enum.Enum):
+class KVTier(str, enum.Enum):
     """Where a block is: the optional pool in accelerator memory, host memory, the local NVMe
     slabs, or the shared store (fastest first)."""
 
@@ -17,7 +20,7 @@ class Tier(str, enum.Enum):
 
 
 @dataclass
-class Counters:
+class Counters(Stats):
     """Monotonic counts since the cache opened (blocks unless named otherwise)."""
 
     lookups: int = 0
@@ -49,8 +52,8 @@ class Counters:
 
 
 @dataclass
-class TierStats:
-    tier: Tier
+class TierStats(Stats):
+    tier: KVTier
     slots: int
     used: int
     slot_bytes: int
@@ -64,9 +67,12 @@ class TierStats:
     def used_bytes(self) -> int:
         return self.used * self.slot_bytes
 
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "capacity_bytes": self.capacity_bytes, "used_bytes": self.used_bytes}
+
 
 @dataclass
-class KVStats:
+class KVStats(Stats):
     blocks: int
     block_bytes: int
     tiers: list[TierStats]
@@ -78,11 +84,5 @@ class KVStats:
     device: str | None = None    # where the device tier's pool lives ("cuda:0"; "cpu" standing in), if there is one
     notes: list[str] = field(default_factory=list)
 
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["tiers"] = [{**asdict(t), "tier": t.tier.value, "capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes}
-                      for t in self.tiers]
-        return d
 
-
-__all__ = ["Counters", "KVStats", "Tier", "TierStats"]
+__all__ = ["Counters", "KVStats", "KVTier", "TierStats"]

@@ -30,12 +30,12 @@ from tierio.io.buffers import ALIGN, address_of
 from tierio.io.durable import write_json_atomic
 from tierio.io.files import bounce_pool, os_error, pread_full, pwrite_all, read_into
 from tierio.io.paths import open_beneath
-from tierio.kv.slabindex import (
+from tierio.kv.tiers.slabindex import (
     FREE_RECORD, HEADER_LIMIT, HEADER_NAME, INDEX_NAME, LOCK_NAME, RECORD_BYTES, Geometry, SlotRecord,
     parse_header, parse_index, slab_name,
 )
-from tierio.kv.slots import FreeSlots
-from tierio.kv.stats import Tier
+from tierio.kv.tiers.slots import FreeSlots
+from tierio.kv.stats import KVTier
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class SlabTier(FreeSlots):
     router's lock, reads and writes run outside it (each on its own slot). The free list is made
     once the index has been read (``_open_index``): the slots its records hold are not free."""
 
-    kind = Tier.NVME
+    kind = KVTier.NVME
 
     def __init__(self, directory: str | Path, block_bytes: int, budget: int, *, slab_bytes: int, piece_bytes: int,
                  layout: dict) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from tierio.io.buffers import ALIGN, align_up
-from tierio.kv.stats import Tier
+from tierio.kv.stats import KVTier
 
 
 class FreeSlots:
@@ -47,7 +47,7 @@ class SlotPool(FreeSlots):
     """Slots of the block size rounded up to 4 KiB, cut from one region of memory allocated when
     the pool is made. Subclasses allocate the region and say how a slot's bytes are viewed."""
 
-    kind: ClassVar[Tier]
+    kind: ClassVar[KVTier]
 
     def __init__(self, nslots: int, block_bytes: int) -> None:
         super().__init__(nslots)

@@ -20,10 +20,9 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import xxhash
-
 from tierio.errors import FormatError
 from tierio.io.buffers import ALIGN, align_up
+from tierio.io.checksum import xxh3_int
 from tierio.io.untrusted import Fields, loads, parsing
 
 FORMAT = "tierio-kv-slab"
@@ -116,7 +115,7 @@ class SlotRecord:
 
     def pack(self) -> bytes:
         body = _BODY.pack(MAGIC, USED, self.key, self.parent, self.checksum, self.seq)
-        return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+        return body + struct.pack("<Q", xxh3_int(body))
 
 
 @dataclass
@@ -135,7 +134,7 @@ class IndexScan:
 def _record(raw: bytes, slot: int) -> SlotRecord | str:
     """One record, or why it is not one."""
     body, (total,) = raw[:56], struct.unpack_from("<Q", raw, 56)
-    if xxhash.xxh3_64_intdigest(body) != total:
+    if xxh3_int(body) != total:
         return "torn or damaged record"
     magic, state, key, parent, checksum, seq = _BODY.unpack(body)
     if magic != MAGIC or state != USED:

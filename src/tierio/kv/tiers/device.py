@@ -23,12 +23,12 @@ from typing import Any
 
 from tierio.errors import ConfigError
 from tierio.kv.config import KVConfig
-from tierio.kv.slots import SlotPool
-from tierio.kv.stats import Tier
+from tierio.kv.tiers.slots import SlotPool
+from tierio.kv.stats import KVTier
 
 
 class DeviceTier(SlotPool):
-    kind = Tier.DEVICE
+    kind = KVTier.DEVICE
 
     def __init__(self, nslots: int, block_bytes: int, device: Any) -> None:
         import torch

@@ -12,8 +12,8 @@ import sys
 import numpy as np
 
 from tierio.io.buffers import HostBuffer
-from tierio.kv.slots import SlotPool
-from tierio.kv.stats import Tier
+from tierio.kv.tiers.slots import SlotPool
+from tierio.kv.stats import KVTier
 
 
 def _cuda_in_use() -> bool:
@@ -25,7 +25,7 @@ def _cuda_in_use() -> bool:
 
 
 class DramTier(SlotPool):
-    kind = Tier.DRAM
+    kind = KVTier.DRAM
 
     def __init__(self, nslots: int, block_bytes: int) -> None:
         super().__init__(nslots, block_bytes)

@@ -15,9 +15,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from tierio.kv.config import KVConfig
-from tierio.kv.hf import PrefixCache, greedy_generate, layout_for
-from tierio.kv.stats import Tier
+from tierio.integrations.hf_kv import PrefixCache, greedy_generate, layout_for
+from tierio.kv import KVConfig, KVTier
 
 
 @dataclass(frozen=True)
@@ -86,7 +85,7 @@ def _turn(pc: PrefixCache, model, prompt: torch.Tensor, spec: ChatDemo, turn: in
     tiers = pc.kv.lookup(keys[: (prompt.shape[1] - 1) // spec.block_tokens]).tiers
     got = pc.generate(prompt, spec.answer_tokens)
     same = got.tokens == greedy_generate(model, prompt, spec.answer_tokens).tokens
-    rec = TurnRecord(turn, user, prompt.shape[1], got.cached_tokens, tiers.count(Tier.DRAM), tiers.count(Tier.NVME),
+    rec = TurnRecord(turn, user, prompt.shape[1], got.cached_tokens, tiers.count(KVTier.DRAM), tiers.count(KVTier.NVME),
                      same, restarted)
     return rec, got.tokens
 

@@ -19,11 +19,10 @@ import hmac
 import struct
 
 import numpy as np
-import xxhash
 
 from tierio.errors import IntegrityError
-from tierio.io.checksum import xxh3
-from tierio.kv.stats import Tier
+from tierio.io.checksum import xxh3, xxh3_int
+from tierio.kv.stats import KVTier
 from tierio.storage import Store, open_store
 
 MAGIC = b"TKVB"
@@ -45,7 +44,7 @@ def object_key(key: bytes) -> str:
 
 def pack_header(key: bytes, nbytes: int, checksum: int) -> bytes:
     body = _HEAD.pack(MAGIC, VERSION, key, nbytes, checksum)
-    return (body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))).ljust(HEADER_BYTES, b"\0")
+    return (body + struct.pack("<Q", xxh3_int(body))).ljust(HEADER_BYTES, b"\0")
 
 
 def block_mac(secret: bytes, header: bytes, data: np.ndarray | memoryview) -> bytes:
@@ -61,7 +60,7 @@ def check_header(raw: bytes, key: bytes, nbytes: int, where: str) -> int:
     and ``nbytes``; IntegrityError otherwise."""
     body = raw[:_HEAD.size]
     (total,) = struct.unpack_from("<Q", raw, _HEAD.size)
-    if xxhash.xxh3_64_intdigest(body) != total:
+    if xxh3_int(body) != total:
         raise IntegrityError(f"{where}: damaged block header")
     magic, version, got_key, got_bytes, checksum = _HEAD.unpack(body)
     if magic != MAGIC or version != VERSION or got_key != key or got_bytes != nbytes:
@@ -74,7 +73,7 @@ def block_checksum(data: np.ndarray | memoryview) -> int:
 
 
 class SharedTier:
-    kind = Tier.SHARED
+    kind = KVTier.SHARED
 
     def __init__(self, url: str, block_bytes: int, secret: bytes | None = None) -> None:
         self.url = url
