@@ -27,10 +27,10 @@ from pathlib import Path
 
 import xxhash
 
-from tierio.errors import ConfigError, DiskFullError, IntegrityError, NotFoundError
+from tierio.errors import ConfigError, DiskFullError, IntegrityError, NotFoundError, os_error
 from tierio.io.buffers import BufferPool
 from tierio.io.engine import Window, Windowing, read_range
-from tierio.io.files import os_error, pwrite_all
+from tierio.io.direct import pwrite_all
 from tierio.io.untrusted import check_int
 from tierio.storage.base import Store
 from tierio.storage.cache import CacheOptions, FillPlan, NodeCache, Pin, entry_name, release_fd

@@ -44,7 +44,8 @@ from tierio.errors import (
 )
 from tierio.io.buffers import ALIGN, HostBuffer, align_up
 from tierio.io.durable import fsync_dir, temp_name
-from tierio.io.files import open_file, os_error
+from tierio.errors import os_error
+from tierio.io.direct import open_file
 from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Buffer, ObjectInfo, check_key
 from tierio.storage.deadline import Deadline, backoff, run_all

@@ -19,7 +19,7 @@ from tierio.errors import FormatError, NotFoundError
 from tierio.format.manifest import MAX_MANIFEST_BYTES
 from tierio.format.safetensors import Header, TensorEntry, read_header_from
 from tierio.io import engine
-from tierio.io.files import os_error
+from tierio.errors import os_error
 from tierio.io.paths import open_regular
 from tierio.io.untrusted import Fields, check_str, loads, parser
 from tierio.storage.base import check_key
