@@ -58,7 +58,7 @@ from tierio.storage.s3_errors import (
     client_error_code,
     field,
 )
-from tierio.storage.url import check_endpoint
+from tierio.storage.endpoint import check_endpoint
 from tierio.units import MiB, fmt_rate
 
 log = logging.getLogger(__name__)
