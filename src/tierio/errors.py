@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+from pathlib import Path
+
 
 class TierioError(Exception):
     """Base class of every error tierio raises on purpose."""
@@ -76,3 +79,15 @@ class SnapshotChangedError(TierioError):
 
 class LeaseError(StorageError):
     """Another run holds the tier's write lease (or this run lost it): one writer per tier."""
+
+
+def os_error(exc: OSError, path: str | Path, doing: str) -> StorageError:
+    """Turn an OSError into a typed tierio error that names the path and says what to do."""
+    code = exc.errno
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFullError(f"no space left while {doing} {path}: free space on that filesystem or point this tier elsewhere")
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return PermissionDeniedError(f"permission denied while {doing} {path} ({exc.strerror}): check ownership and mount options")
+    if code in (errno.ENOENT, errno.ENOTDIR):
+        return NotFoundError(f"{path} does not exist (while {doing}); check the path")
+    return StorageError(f"I/O error while {doing} {path}: {exc.strerror or exc}")

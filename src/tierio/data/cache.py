@@ -25,12 +25,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import xxhash
-
-from tierio.errors import ConfigError, DiskFullError, IntegrityError, NotFoundError
+from tierio.errors import ConfigError, DiskFullError, IntegrityError, NotFoundError, os_error
 from tierio.io.buffers import BufferPool
+from tierio.io.checksum import xxh3
+from tierio.io.direct import pwrite_all
 from tierio.io.engine import Window, Windowing, read_range
-from tierio.io.files import os_error, pwrite_all
 from tierio.io.untrusted import check_int
 from tierio.storage.base import Store
 from tierio.storage.cache import CacheOptions, FillPlan, NodeCache, Pin, entry_name, release_fd
@@ -135,7 +134,7 @@ class ShardCache:
             try:
                 view = buf.view[: w.length]
                 self.store.read_into(info.key, w.offset, view)
-                got = f"{xxhash.xxh3_64_intdigest(view):016x}"
+                got = xxh3(view)
                 want = info.windows[w.offset // info.window]
                 if got != want:
                     raise IntegrityError(f"{where}: bytes {w.offset}..{w.end} do not match their checksum (expected "

@@ -13,7 +13,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from tierio.io.files import FileWriter, copy_file, os_error
+from tierio.errors import os_error
+from tierio.io.direct import FileWriter
+from tierio.io.ranges import copy_file
 from tierio.io.stats import IOStats
 
 TMP_MARK = ".tmp-"

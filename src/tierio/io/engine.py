@@ -4,7 +4,7 @@ Every loop in tierio that moves a large range of bytes has the same shape: the w
 are merged into regions (holes up to a merge gap are read through rather than costing
 another request), each region is cut into windows that start on an alignment grid, and ``depth``
 windows are in flight at once while a per-window body reads the bytes and puts them where they
-belong. File reads and copies (io.files), checkpoint restores (storage.scatter) and weight loads
+belong. File reads and copies (io.ranges), checkpoint restores (storage.scatter) and weight loads
 (weights.engine) are that shape with different window sizes, depths, gaps and bodies; this module
 holds the shape once.
 

@@ -27,10 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-from tierio.errors import IntegrityError
+from tierio.errors import IntegrityError, os_error
 from tierio.io.buffers import ALIGN, align_up
 from tierio.io.engine import drain, run_windows
 from tierio.io.pagecache import libc
+from tierio.io.paths import open_regular
 from tierio.units import MiB
 
 HUGE = 2 << 20
@@ -175,3 +176,26 @@ def populate_windows(mapping: FileMapping, spans: Sequence[tuple[int, int]], aft
             after(*span)
 
     drain(spans, one, depth)
+
+
+def map_readonly(path: str | Path, *, populate: bool = False) -> mmap.mmap | bytes:
+    """A read-only shared mapping of the regular file at ``path`` (``b""`` when it is empty).
+
+    A FIFO or a device in its place is refused, never waited on. ``populate`` maps every page at
+    once (MAP_POPULATE): for a file just written or read, whose pages are in the page cache, that
+    is one call instead of a page fault per 4 KiB later. The mapping keeps the file readable after
+    it is unlinked, so an evicted cache entry stays valid for whoever still views it."""
+    try:
+        fd = open_regular(path)
+    except OSError as exc:
+        raise os_error(exc, path, "opening") from exc
+    try:
+        size = os.fstat(fd).st_size
+        if not size:
+            return b""
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+    except OSError as exc:
+        raise os_error(exc, path, "mapping") from exc
+    finally:
+        os.close(fd)

@@ -24,9 +24,10 @@ import json
 import os
 from pathlib import Path
 
-from tierio.errors import ConfigError, FormatError, StorageError
+from tierio.errors import ConfigError, FormatError, StorageError, os_error
 from tierio.io.durable import TMP_MARK, atomic_write, fsync_dir, temp_name
-from tierio.io.files import hold_write_lock, os_error, pwrite_all, writer_gone
+from tierio.io.direct import pwrite_all
+from tierio.io.locks import hold_write_lock, writer_gone
 from tierio.io.paths import open_regular
 from tierio.io.untrusted import Fields, loads
 

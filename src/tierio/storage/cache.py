@@ -44,247 +44,51 @@ cache without a server process.
 
 from __future__ import annotations
 
-import errno
 import fcntl
-import hashlib
 import logging
 import os
-import re
-import shutil
 import stat
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import partial
 from pathlib import Path
-from typing import Literal
 
 from tierio import events
-from tierio.errors import ConfigError, DiskFullError, FormatError, NotFoundError, StorageError, TierioError
+from tierio.errors import ConfigError, FormatError, NotFoundError, StorageError, TierioError, os_error
 from tierio.io.engine import submit
-from tierio.io.files import os_error
-from tierio.io.paths import key_parts, open_beneath, open_dir_beneath
-from tierio.io.space import disk_space
+from tierio.io.locks import lock_holders, process_name, release_fd
+from tierio.io.paths import open_beneath, open_dir_beneath
 from tierio.io.untrusted import check_int
+from tierio.storage.cache_files import (
+    _ATTEMPTS,
+    _POLL,
+    CACHE_LOCK,
+    ENTRIES,
+    INDEXES,
+    LAYOUT,
+    LOCKS,
+    PARTIAL,
+    RESERVE,
+    UNSYNCED,
+    Kind,
+    boot_time,
+    entry_name,
+    flock_own,
+    make_parents,
+    open_own,
+    remove_at,
+    tree_bytes,
+)
+from tierio.storage.cache_records import CacheOptions, EntryBusyError, EntryInfo, FillPlan, Pin, Usage
+from tierio.storage.cache_room import RoomKeeping
 
 log = logging.getLogger(__name__)
 
-ENTRIES = "entries"
-INDEXES = "indexes"
-LOCKS = "locks"
-PARTIAL = ".partial"
-RESERVE = ".reserve"
-CACHE_LOCK = ".lock"
-UNSYNCED = "unsynced"  # made on first use: only fills that flush behind need it
-LAYOUT = (ENTRIES, INDEXES, LOCKS, PARTIAL, RESERVE)
-
-Kind = Literal["file", "dir"]
-_POLL = 0.05  # seconds between attempts to make room while every evictable entry is pinned
-_ATTEMPTS = 20  # an entry evicted this many times between filling and pinning it: give up
-_STALE_TEMP_S = 3600.0  # an index temp file this old belongs to a writer that died
-
-# -- locked descriptors, closed in forked children ------------------------------------------------
-# flock() locks belong to an open file description, which a forked child shares: a child that kept
-# the parent's descriptor open would hold the parent's lock for as long as it lives. Every locked
-# descriptor is registered here and closed in the child right after fork (closing the child's copy
-# releases nothing: the parent keeps its lock until it closes its own descriptor).
-_LOCK_FDS: set[int] = set()
-_LOCK_FDS_GUARD = threading.Lock()
-
-
-def _hold_guard_for_fork() -> None:
-    # No fork between another thread's open of a lock file and its registration: the child would
-    # keep that descriptor, unregistered, and with it whatever lock the parent takes on it later.
-    _LOCK_FDS_GUARD.acquire()
-
-
-def _release_guard_after_fork() -> None:
-    _LOCK_FDS_GUARD.release()
-
-
-def _close_inherited_locks() -> None:
-    global _LOCK_FDS_GUARD
-    _LOCK_FDS_GUARD = threading.Lock()  # the parent's is held across the fork
-    for fd in _LOCK_FDS:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _LOCK_FDS.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_hold_guard_for_fork, after_in_parent=_release_guard_after_fork,
-                        after_in_child=_close_inherited_locks)
-
-
-def release_fd(fd: int) -> None:
-    """Close a registered lock descriptor, releasing its lock (a no-op for one not registered)."""
-    with _LOCK_FDS_GUARD:
-        if fd not in _LOCK_FDS:
-            return
-        _LOCK_FDS.discard(fd)
-        os.close(fd)
-
-
-def entry_name(key: str) -> str:
-    """The file name of ``key``'s entry: a readable tail of the key and 128 bits of its SHA-256.
-
-    Only letters, digits, '.', '_' and '-', never a leading '.', so it is one plain name inside
-    the cache whatever the key holds (keys come from manifests, indexes and URLs)."""
-    if not isinstance(key, str) or not key:
-        raise ConfigError(f"a cache key must be a non-empty string, got {key!r}")
-    tail = key.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
-    tail = re.sub(r"[^A-Za-z0-9._-]+", "_", tail)[:48].lstrip(".") or "entry"
-    return f"{tail}-{hashlib.sha256(key.encode('utf-8', 'surrogatepass')).hexdigest()[:32]}"
-
-
-# -- the cache's own files, reached without following links ---------------------------------------
-def _remove_at(dfd: int, name: str) -> bool:
-    """Remove ``name`` in the directory ``dfd`` (a file, a link, or a whole tree); links are
-    removed, never followed."""
-    try:
-        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    try:
-        if stat.S_ISDIR(st.st_mode):
-            shutil.rmtree(name, dir_fd=dfd)
-        else:
-            os.unlink(name, dir_fd=dfd)
-    except FileNotFoundError:
-        return False
-    return True
-
-
-def _open_own(root: Path, rel: str, flags: int) -> int:
-    """Open one of the cache's files, following no link. Anything else planted at that name (a
-    link, a FIFO, a directory) is removed and, when ``flags`` create, the file is made afresh."""
-    parts = rel.split("/")
-    for _ in range(3):
-        try:
-            fd = open_beneath(root, rel, flags)
-        except (FormatError, IsADirectoryError):  # a link, or not a regular file: not ours
-            fd = -1
-        if fd >= 0:
-            if stat.S_ISREG(os.fstat(fd).st_mode):
-                return fd
-            os.close(fd)
-        log.warning("removing %s/%s: not a regular file where the cache keeps its own", root, rel)
-        dfd = open_dir_beneath(root, parts[:-1])
-        try:
-            _remove_at(dfd, parts[-1])
-        finally:
-            os.close(dfd)
-        if not flags & os.O_CREAT:
-            raise NotFoundError(f"{root}/{rel} does not exist")
-    raise StorageError(f"{root}/{rel} keeps being replaced by something that is not a regular file; "
-                       "check what else writes into the cache directory")
-
-
-def _flock_own(root: Path, rel: str, mode: int, *, create: bool = True) -> int | None:
-    """Open and flock one of the cache's files; a registered descriptor, or None when ``mode``
-    has LOCK_NB and another holder has a conflicting lock."""
-    flags = (os.O_RDWR | os.O_CREAT) if create else os.O_RDONLY
-    with _LOCK_FDS_GUARD:  # no fork between the open and the registration
-        fd = _open_own(root, rel, flags)
-        _LOCK_FDS.add(fd)
-    try:
-        fcntl.flock(fd, mode)
-    except OSError as exc:
-        release_fd(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return None
-        raise os_error(exc, root / rel, "locking") from exc
-    except BaseException:
-        release_fd(fd)
-        raise
-    return fd
-
-
-# -- records --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class CacheOptions:
-    """How big a cache may grow, how long a fill waits for room, and how long a reader waits for
-    another process's fill of the same entry."""
-
-    limit: int  # bytes of entries, fills in flight included
-    wait_timeout: float = 60.0  # seconds a fill waits while every evictable entry is pinned
-    # A fill of a large model from remote storage takes minutes: a reader waits for it (bounded)
-    # rather than failing, whatever ``wait_timeout`` allows for room. Every wait on an entry's lock
-    # (a pin behind a fill, an eviction behind a pin) ends after it, with an EntryBusyError.
-    fill_wait: float = 3600.0
-    index_limit: int | None = None  # bytes of cached indexes; None: limit // 16, at least 16 MiB
-    name: str = "cache"  # what the cache holds ("shards", "weights"), as reported to tierio.events
-
-    @property
-    def indexes(self) -> int:
-        return self.index_limit if self.index_limit is not None else max(self.limit // 16, 16 << 20)
-
-
-@dataclass(frozen=True)
-class FillPlan:
-    """How to make an entry on a miss; asked for only under the entry's exclusive lock.
-
-    ``write(target)`` creates the entry at ``target`` (a file path, or an empty directory for a
-    directory entry); ``verify(target)`` may refuse what was written by raising. Nothing is kept
-    unless both return."""
-
-    size: int  # bytes the entry will take, claimed against the limit before anything is written
-    write: Callable[[Path], None]
-    where: str  # what is being cached, for messages ("shard x.tar of s3://bucket/data")
-    verify: Callable[[Path], None] | None = None
-    durable: bool = True  # False: write() did not flush; the cache commits now and flushes behind
-
-
-@dataclass(frozen=True)
-class EntryInfo:
-    name: str
-    path: Path
-    bytes: int
-    used_ns: int  # the use clock: time_ns of the last fill or pin
-
-    @property
-    def last_used(self) -> float:
-        return self.used_ns / 1e9
-
-
-@dataclass(frozen=True)
-class Usage:
-    present: int  # bytes of committed entries
-    reserved: int  # bytes claimed by fills in flight
-
-
-class EntryBusyError(StorageError):
-    """Another process held a cache entry's lock for longer than a reader waits (``fill_wait``)."""
-
-
-class Pin:
-    """A pinned entry: until ``release()``, no process evicts or replaces it.
-
-    ``hit`` tells whether it was already cached; ``fd`` is the registered descriptor holding the
-    shared lock (``release_fd(fd)`` releases it too)."""
-
-    def __init__(self, name: str, path: Path, fd: int, hit: bool) -> None:
-        self.name, self.path, self.fd, self.hit = name, path, fd, hit
-
-    def release(self) -> None:
-        fd, self.fd = self.fd, -1
-        if fd >= 0:  # once only: the number may belong to another lock later
-            release_fd(fd)
-
-    def __enter__(self) -> Pin:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
 
 # -- the cache ------------------------------------------------------------------------------------
-class NodeCache:
+class NodeCache(RoomKeeping):
     """Entries keyed by any string, on a local disk, shared by the processes of a node."""
 
     def __init__(self, root: str | Path, options: CacheOptions) -> None:
@@ -394,7 +198,7 @@ class NodeCache:
             if stat.S_ISREG(st.st_mode):
                 size = st.st_size
             elif stat.S_ISDIR(st.st_mode):
-                size = _tree_bytes(e.path)
+                size = tree_bytes(e.path)
             else:
                 size = 0  # not an entry (a planted link): removed by the next fill of that name
             out.append(EntryInfo(e.name, Path(e.path), size, st.st_mtime_ns))
@@ -437,7 +241,7 @@ class NodeCache:
                     f.write(raw)
                 os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
             except BaseException:
-                _remove_at(dfd, tmp)
+                remove_at(dfd, tmp)
                 raise
             return True
         except OSError as exc:
@@ -451,7 +255,7 @@ class NodeCache:
         """flock the entry's lock file; None when LOCK_NB and held. An evictor removes the lock file
         of what it evicts, so a lock taken on a removed file is dropped and taken again."""
         for _ in range(_ATTEMPTS):
-            fd = _flock_own(self.root, f"{LOCKS}/{name}.lock", mode)
+            fd = flock_own(self.root, f"{LOCKS}/{name}.lock", mode)
             if fd is None or os.fstat(fd).st_nlink:
                 return fd
             release_fd(fd)
@@ -481,7 +285,7 @@ class NodeCache:
 
     def _busy(self, name: str, key: str, mode: int) -> EntryBusyError:
         lock = self.root / LOCKS / f"{name}.lock"
-        holders = ", ".join(f"pid {pid} ({how}, {_command(pid)})" for pid, how in lock_holders(lock)) or "another process"
+        holders = ", ".join(f"pid {pid} ({how}, {process_name(pid)})" for pid, how in lock_holders(lock)) or "another process"
         try:
             fill = f"; it claimed room for a fill {time.time() - os.stat(self.root / RESERVE / name).st_mtime:.0f} s ago"
         except OSError:
@@ -495,7 +299,7 @@ class NodeCache:
 
     @contextmanager
     def _cache_lock(self) -> Iterator[None]:
-        fd = _flock_own(self.root, CACHE_LOCK, fcntl.LOCK_EX)
+        fd = flock_own(self.root, CACHE_LOCK, fcntl.LOCK_EX)
         assert fd is not None
         try:
             yield
@@ -543,7 +347,7 @@ class NodeCache:
                 return False
             raise
         try:
-            return _remove_at(dfd, name)
+            return remove_at(dfd, name)
         finally:
             os.close(dfd)
 
@@ -610,7 +414,7 @@ class NodeCache:
         be on the disk without its bytes, and only a marker that survived says so."""
         dfd = open_dir_beneath(self.root, [UNSYNCED], create=True)
         try:
-            os.close(_open_own(self.root, f"{UNSYNCED}/{name}", os.O_WRONLY | os.O_CREAT))
+            os.close(open_own(self.root, f"{UNSYNCED}/{name}", os.O_WRONLY | os.O_CREAT))
             os.fsync(dfd)  # the marker's name
         finally:
             os.close(dfd)
@@ -632,190 +436,6 @@ class NodeCache:
                 os.close(dst_dir)
         finally:
             os.close(src_dir)
-
-    @contextmanager
-    def _reservation(self, name: str, size: int, where: str) -> Iterator[None]:
-        """Claim ``size`` bytes for a fill, making room first; waits while pins keep it from fitting."""
-        deadline = time.monotonic() + self.options.wait_timeout
-        while True:
-            with self._cache_lock():
-                if self._make_room(size, exclude=name):
-                    self._check_free(size, where)
-                    fd = self._claim(name, size)
-                    break
-            if time.monotonic() >= deadline:
-                raise ConfigError(
-                    f"the cache at {self.root} cannot make room for {where} ({size} bytes) within its limit of "
-                    f"{self.limit} bytes: every entry that could be evicted is in use; raise the limit, or run "
-                    "fewer readers (or less prefetch) at once"
-                )
-            time.sleep(_POLL)
-        try:
-            yield
-        finally:
-            self._remove(RESERVE, name)
-            release_fd(fd)
-
-    def _claim(self, name: str, size: int) -> int:
-        fd = _flock_own(self.root, f"{RESERVE}/{name}", fcntl.LOCK_EX)
-        assert fd is not None
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(size).encode(), 0)
-        except BaseException:
-            release_fd(fd)
-            raise
-        return fd
-
-    def _check_free(self, size: int, where: str) -> None:
-        space = disk_space(self.root)
-        if space is not None and space[1] < size:
-            raise DiskFullError(
-                f"cache directory {self.root} has {space[1]} bytes free but {where} needs {size}: free space there, "
-                "lower the cache limit below the free space, or use another cache directory"
-            )
-
-    def _reserved(self) -> int:
-        """Bytes claimed by live fills; the claims of fills that died are removed with their scratch."""
-        total = 0
-        for e in os.scandir(self.root / RESERVE):
-            try:
-                fd = _flock_own(self.root, f"{RESERVE}/{e.name}", fcntl.LOCK_SH | fcntl.LOCK_NB, create=False)
-            except NotFoundError:
-                continue
-            if fd is None:  # a live fill holds it
-                total += self._claimed(e.name)
-                continue
-            try:
-                self._remove(RESERVE, e.name)
-                self._remove(PARTIAL, e.name)
-            finally:
-                release_fd(fd)
-        return total
-
-    def _claimed(self, name: str) -> int:
-        try:
-            fd = open_beneath(self.root, f"{RESERVE}/{name}", os.O_RDONLY)
-        except (NotFoundError, FormatError, OSError):
-            return 0
-        try:
-            text = os.read(fd, 32)
-        finally:
-            os.close(fd)
-        return int(text) if text.isdigit() else 0
-
-    def _make_room(self, need: int, exclude: str) -> bool:
-        """Evict least recently used entries until ``need`` more bytes fit. Evicts nothing when the
-        entries it can take (none pinned) would not free enough: then the caller waits."""
-        self._trim_indexes()
-        entries = [e for e in self.entries() if e.name != exclude]
-        excess = sum(e.bytes for e in entries) + self._reserved() + need - self.limit
-        if excess <= 0:
-            return True
-        held: list[tuple[EntryInfo, int]] = []
-        try:
-            for e in entries:
-                if excess <= 0:
-                    break
-                fd = self._entry_lock(e.name, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if fd is not None:  # None: in use right now
-                    held.append((e, fd))
-                    excess -= e.bytes
-            if excess > 0:
-                return False
-            for e, _ in held:
-                self._drop(e.name)
-                log.debug("evicted %s (%d bytes) from the cache at %s", e.name, e.bytes, self.root)
-                events.emit(events.CacheEviction(self.options.name, e.bytes))
-            return True
-        finally:
-            for _, fd in held:
-                release_fd(fd)
-
-    def _trim_indexes(self) -> None:
-        limit = self.options.indexes
-        files = []
-        now = time.time()
-        for e in os.scandir(self.root / INDEXES):
-            try:
-                st = e.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if e.name.startswith("."):
-                if now - st.st_mtime > _STALE_TEMP_S:
-                    self._remove(INDEXES, e.name)
-                continue
-            files.append((st.st_mtime_ns, e.name, st.st_size))
-        total = sum(size for _, _, size in files)
-        for _, name, size in sorted(files):
-            if total <= limit:
-                break
-            self._remove(INDEXES, name)
-            total -= size
-
-
-@lru_cache(maxsize=1)
-def boot_time() -> float | None:
-    """When the running system started (seconds since the epoch), from /proc/stat; None elsewhere."""
-    try:
-        with open("/proc/stat") as f:
-            for line in f:
-                if line.startswith("btime "):
-                    return float(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def lock_holders(path: Path) -> list[tuple[int, str]]:
-    """(pid, "exclusive" or "shared") of every flock held on ``path``'s file, from /proc/locks
-    (Linux; empty elsewhere or when it cannot be read). Waiters are left out."""
-    try:
-        st = os.stat(path)
-        with open("/proc/locks") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
-    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    out = []
-    for line in lines:  # "3: FLOCK  ADVISORY  WRITE 4242 00:2e:913 0 EOF"; a waiter has "->" after "3:"
-        f = line.split()
-        if len(f) >= 6 and f[1] == "FLOCK" and f[5] == inode and f[4].isdigit():
-            out.append((int(f[4]), "exclusive" if f[3] == "WRITE" else "shared"))
-    return out
-
-
-def _command(pid: int) -> str:
-    """The process's name (not its command line, which may hold secrets), for messages."""
-    try:
-        with open(f"/proc/{pid}/comm", "rb") as f:
-            return f.read(64).decode(errors="replace").strip() or "?"
-    except OSError:
-        return "not visible here"
-
-
-def _tree_bytes(path: str) -> int:
-    """Bytes of the regular files under a directory (links are not followed, nor counted)."""
-    total = 0
-    for dirpath, _, filenames in os.walk(path):
-        for f in filenames:
-            try:
-                st = os.lstat(os.path.join(dirpath, f))
-            except FileNotFoundError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                total += st.st_size
-    return total
-
-
-def make_parents(root: Path, key: str, where: str) -> Path:
-    """``root/key`` for a file a fill is about to write, with its parent directories made beneath
-    ``root`` without following links. ``key`` is checked first (a FormatError naming ``where``
-    when it could leave ``root``), so no directory is ever made outside it."""
-    parts = key_parts(key, where)
-    if len(parts) > 1:
-        os.close(open_dir_beneath(root, parts[:-1], create=True))
-    return root.joinpath(*parts)
 
 
 __all__ = [

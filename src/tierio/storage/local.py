@@ -14,11 +14,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tierio.errors import FormatError, NotFoundError
+from tierio.errors import FormatError, NotFoundError, os_error
 from tierio.io.buffers import ALIGN, address_of
 from tierio.io.durable import atomic_copy, atomic_write, is_temp, temp_name
 from tierio.io.engine import ByteRange
-from tierio.io.files import hold_write_lock, os_error, pwrite_all, read_into, writer_gone
+from tierio.io.direct import pwrite_all
+from tierio.io.locks import hold_write_lock, writer_gone
+from tierio.io.ranges import read_into
 from tierio.io.limiter import TokenBucket
 from tierio.io.pagecache import prefetch, range_resident
 from tierio.io.paths import open_beneath, open_dir_beneath
@@ -299,7 +301,7 @@ class LocalStore:
     def _remove_temps(self, prefix: str, *, older_than: float, force: bool) -> int:
         """Unlink temp files under ``prefix`` untouched for ``older_than`` s whose writer is gone.
 
-        A writer holds a lock on its temp file (io.files.FileWriter) until it renames it into
+        A writer holds a lock on its temp file (io.direct.FileWriter) until it renames it into
         place, so a temp file whose lock can be taken belongs to a process that died. ``force``
         skips the lock test (the caller is deleting the whole prefix)."""
         base = self._walk_base(prefix)

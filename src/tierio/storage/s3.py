@@ -19,14 +19,12 @@ new store in a child process.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,127 +33,39 @@ import botocore.exceptions as bex
 from botocore.config import Config
 
 from tierio.errors import (
-    ConfigError,
     FormatError,
     IntegrityError,
     NotFoundError,
     StorageError,
     StoreUnavailableError,
+    os_error,
 )
 from tierio.io.buffers import ALIGN, HostBuffer, align_up
 from tierio.io.durable import fsync_dir, temp_name
-from tierio.io.files import open_file, os_error
+from tierio.io.direct import open_file
 from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Buffer, ObjectInfo, check_key
 from tierio.storage.deadline import Deadline, backoff, run_all
 from tierio.storage.s3_errors import (
     FAILURES,
     ShortBody,
-    SlowBody,
     Target,
     classify,
     client_error_code,
     field,
 )
-from tierio.storage.url import check_endpoint
-from tierio.units import MiB, fmt_rate
+from tierio.storage.s3_body import Pace, _safe_key, read_piece, read_some
+from tierio.storage.s3_options import S3Options, Upload, _endpoint, _session, s3_options
+from tierio.storage.s3_upload import MultipartUploads
+from tierio.units import MiB
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 UPLOAD_PAGE = 1000  # multipart uploads asked for per listing page (the S3 maximum)
-EXPECT_WAIT = 1.0  # botocore waits this long for "100 Continue" before it sends an upload's body anyway
 READ_CHUNK = 1 * MiB  # the most one read of a body asks for; each returns what one socket read got
 
 
-@dataclass(frozen=True)
-class S3Options:
-    """How an S3Store moves bytes and how long it waits for its endpoint.
-
-    ``timeout`` is the deadline of every store call: the longest it waits without the endpoint
-    completing a request. One attempt of a request takes at most ``connect_timeout`` to connect and
-    ``read_timeout`` of silence; both are shortened to fit in ``timeout``, and a request is tried
-    again (up to ``max_attempts``) only when a whole attempt still fits before the deadline.
-
-    A body that keeps arriving, but slowly (a server dripping bytes under ``read_timeout``), is
-    cut off too: one request for ``n`` bytes may take ``attempt_seconds + n / min_rate`` seconds
-    (bytes per second), and never past the call's deadline. Its rest is then asked for again
-    when another attempt still fits.
-    """
-
-    part_size: int = 8 * MiB
-    concurrency: int = 16
-    max_attempts: int = 5
-    timeout: float = 60.0
-    connect_timeout: float = 5.0
-    read_timeout: float = 20.0
-    min_rate: float = 1.0 * MiB
-
-    def checked(self) -> S3Options:
-        for name in ("part_size", "concurrency", "max_attempts"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"S3 option {name}={value!r} must be a positive integer")
-        for name in ("timeout", "connect_timeout", "read_timeout", "min_rate"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                unit = "bytes per second" if name == "min_rate" else "seconds"
-                raise ConfigError(f"S3 option {name}={value!r} must be a positive number of {unit}")
-        connect = min(self.connect_timeout, self.timeout / 4)
-        return replace(
-            self,
-            part_size=align_up(max(5 * MiB, self.part_size), MiB),  # S3 minimum; aligned for O_DIRECT
-            connect_timeout=connect,
-            read_timeout=min(self.read_timeout, self.timeout - connect - min(EXPECT_WAIT, self.timeout / 4)),
-        )
-
-    @property
-    def attempt_seconds(self) -> float:
-        """The longest one attempt of a request can wait on a silent endpoint."""
-        return self.connect_timeout + EXPECT_WAIT + self.read_timeout
-
-    def request_seconds(self, nbytes: int) -> float:
-        """The longest one attempt of a request for a body of ``nbytes`` may take, start to end."""
-        return self.attempt_seconds + nbytes / self.min_rate
-
-
-def s3_options(options: S3Options | None, overrides: dict[str, Any]) -> S3Options:
-    """``options`` (or the defaults) with keyword ``overrides`` applied, checked."""
-    known = {f.name for f in fields(S3Options)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise ConfigError(f"unknown S3 option(s) {unknown}; known: {sorted(known)}")
-    return replace(options or S3Options(), **overrides).checked()
-
-
-@dataclass(frozen=True)
-class Upload:
-    """One multipart upload in progress, as a listing reports it."""
-
-    key: str  # the full object key, prefix included
-    upload_id: str
-    age: float  # seconds since it was started (server clock against ours)
-
-
-_loader: Any = None  # botocore's data loader: the parsed service models, shared by every session
-
-
-def _session() -> boto3.session.Session:
-    """A new boto3 session (credentials resolved afresh) that shares this process's parsed service
-    models: a client is then ~3x cheaper to create (~50 ms instead of ~150 ms), which every forked
-    data worker and every new store pays once. The models are read-only data; a forked child
-    inherits them."""
-    global _loader
-    import botocore.session
-
-    core = botocore.session.get_session()
-    if _loader is None:
-        _loader = core.get_component("data_loader")
-    else:
-        core.register_component("data_loader", _loader)
-    return boto3.session.Session(botocore_session=core)
-
-
-class S3Store:
+class S3Store(MultipartUploads):
     """A bucket and a key prefix on an S3 endpoint; see the module docstring for deadlines.
 
     ``options`` (an S3Options) or its fields as keywords (``part_size=``, ``timeout=``, ...) tune
@@ -316,72 +226,6 @@ class S3Store:
         finally:
             os.close(fd)
 
-    def _upload(self, key: str, total: int, part: Callable[[int, int], bytes | bytearray]) -> int:
-        full = self._key(key)
-        deadline = self._deadline()
-        if total <= self.part_size:
-            body = part(0, total)
-            self._consume(total)
-            t = self._target("uploading", full)
-            field(self._request(t, deadline, self.client.put_object, Key=full, Body=body), "ETag", t)  # S3 always sends one
-            return total
-        t = self._target("starting upload of", full)
-        upload_id = field(self._request(t, deadline, self.client.create_multipart_upload, Key=full), "UploadId", t)
-
-        def send(item: tuple[int, int]) -> dict:
-            number, offset = item
-            n = min(self.part_size, total - offset)
-            body = part(offset, n)
-            self._consume(n)
-            t = self._target(f"uploading part {number} of", full)
-            r = self._request(t, deadline, self.client.upload_part, Key=full, UploadId=upload_id, PartNumber=number, Body=body)
-            return {"PartNumber": number, "ETag": field(r, "ETag", t)}
-
-        try:
-            parts = run_all(self._pool, send, enumerate(range(0, total, self.part_size), 1), deadline)
-            self._complete(full, upload_id, parts, total, deadline)
-        except BaseException:
-            self._abort(full, upload_id, deadline)
-            raise
-        return total
-
-    def _complete(self, full: str, upload_id: str, parts: list[dict], total: int, deadline: Deadline) -> None:
-        tries = 0
-
-        def attempt() -> None:
-            nonlocal tries
-            tries += 1
-            try:
-                self.client.complete_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id,
-                                                      MultipartUpload={"Parts": parts})
-            except bex.ClientError as exc:
-                # An earlier attempt may have completed the upload and lost only its answer: the
-                # upload is then gone and the object is there, with this upload's size.
-                if tries == 1 or client_error_code(exc)[0] != "NoSuchUpload" or self._size(full) != total:
-                    raise
-
-        self._attempts(self._target("completing upload of", full), deadline, attempt)
-
-    def _size(self, full: str) -> int | None:
-        try:
-            return int(self.client.head_object(Bucket=self.bucket, Key=full)["ContentLength"])
-        except bex.ClientError:
-            return None
-
-    def _abort(self, full: str, upload_id: str, deadline: Deadline) -> None:
-        """Best effort, once, and only while the deadline allows: a dead endpoint cannot abort
-        anything, and ``cleanup`` aborts what is left once it is back."""
-        if not deadline.allows(self.options.attempt_seconds):
-            log.warning("left the multipart upload of s3://%s/%s for cleanup: %s has no time left to abort it",
-                        self.bucket, full, self.endpoint)
-            return
-        try:
-            self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
-        except FAILURES as exc:
-            log.warning("could not abort the multipart upload of s3://%s/%s (%s); cleanup aborts it later",
-                        self.bucket, full, exc)
-
-    # -- reads -------------------------------------------------------------------------------
     def _get_range(self, full: str, offset: int, view: memoryview, deadline: Deadline) -> None:
         """Fill ``view`` with the object's bytes from ``offset``. A connection that ends early is
         asked again for the rest (with If-Match, so a replaced object is never spliced in); an
@@ -652,64 +496,3 @@ class S3Store:
         if len(data) > limit:
             raise FormatError(f"{t.where} is larger than {limit} bytes; it is corrupt or hostile")
         return data
-
-
-def _endpoint(given: str | None) -> str | None:
-    """The endpoint URL to use, checked: a malformed one is a ConfigError here, not a traceback later."""
-    if given:
-        return check_endpoint(given, "endpoint=")
-    for var in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
-        if os.environ.get(var):
-            return check_endpoint(os.environ[var], f"${var}")
-    return None
-
-
-def _safe_key(key: str) -> bool:
-    try:
-        check_key(key)
-        return True
-    except ConfigError:
-        return False
-
-
-class Pace:
-    """The time one attempt of a request may still read its body: at most
-    ``options.request_seconds(nbytes)`` from now, and never past the call's ``deadline``.
-
-    Timeouts bound silence only: a server that sends a byte now and then under ``read_timeout``
-    would keep a read alive for ever. ``check`` between the pieces of a body ends it instead."""
-
-    def __init__(self, deadline: Deadline, options: S3Options, nbytes: int) -> None:
-        self.deadline, self.nbytes, self.min_rate = deadline, nbytes, options.min_rate
-        self.started = time.monotonic()
-        self.until = self.started + options.request_seconds(nbytes)
-
-    def check(self, got: int) -> None:
-        """Raise when the call is cancelled (Cancelled), or when the body, ``got`` of ``nbytes``
-        bytes read so far in this attempt, is out of time (SlowBody: its rest may be asked again)."""
-        self.deadline.check()
-        now = time.monotonic()
-        if now < self.until and self.deadline.remaining() > 0:
-            return
-        took = now - self.started
-        rate = fmt_rate(got / took) if took > 0 else "no bytes"
-        why = (f"only {got} of {self.nbytes} bytes of the body arrived in {took:.1f} s ({rate}), slower than the "
-               f"minimum of {fmt_rate(self.min_rate)} (S3Options.min_rate)") if now >= self.until else (
-               f"the call's deadline ran out with {got} of {self.nbytes} bytes of the body read in {took:.1f} s ({rate})")
-        raise SlowBody(why)
-
-
-def read_some(stream: Any, view: memoryview) -> int:
-    """Read into ``view`` what one read of the socket returns (at least a byte, 0 at the end).
-
-    One read, not "until ``view`` is full" as ``readinto`` does: a body that drips then returns to
-    its caller's deadline check byte by byte instead of holding it for the whole piece."""
-    data = read_piece(stream, len(view))
-    view[: len(data)] = data
-    return len(data)
-
-
-def read_piece(stream: Any, n: int) -> bytes:
-    """At most ``n`` bytes, from one read of the socket (b"" at the end); see ``read_some``."""
-    read1 = getattr(stream, "read1", None)
-    return read1(n) if read1 is not None else stream.read(n)

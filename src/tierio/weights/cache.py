@@ -41,13 +41,13 @@ from pathlib import Path
 
 import torch
 
-from tierio.errors import ConfigError, FormatError, IntegrityError, NotFoundError, StoreUnavailableError
+from tierio.errors import ConfigError, FormatError, IntegrityError, NotFoundError, StoreUnavailableError, os_error
 from tierio.io import pagecache
 from tierio.io.buffers import ALIGN, align_up
 from tierio.io.checksum import xxh3
 from tierio.format.shard import MANIFEST, parse_record_name
 from tierio.io.durable import fsync_tree, write_new_synced
-from tierio.io.files import open_file, os_error, pwrite_all
+from tierio.io.direct import open_file, pwrite_all
 from tierio.io.paths import open_beneath
 from tierio.io.untrusted import Fields, check_hex, check_str, read_json_file
 from tierio.storage.base import check_key, list_sizes, read_bytes

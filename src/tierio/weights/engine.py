@@ -30,7 +30,7 @@ from tierio.format.safetensors import TensorEntry
 from tierio.io import pagecache
 from tierio.io.buffers import ALIGN, align_up
 from tierio.io.engine import ByteRange, Window, Windowing, plan, read_windows
-from tierio.io.files import open_file, pread_full
+from tierio.io.direct import open_file, pread_full
 from tierio.units import MiB
 from tierio.io.mapping import MAP_CHUNK, MAP_DEPTH, Arena, FileMapping
 from tierio.weights.memory import staging_pool

@@ -19,10 +19,10 @@ from tierio.errors import FormatError, NotFoundError
 from tierio.format.manifest import MAX_MANIFEST_BYTES
 from tierio.format.safetensors import Header, TensorEntry, read_header_from
 from tierio.io import engine
-from tierio.io.files import os_error
+from tierio.errors import os_error
 from tierio.io.paths import open_regular
 from tierio.io.untrusted import Fields, check_str, loads, parser
-from tierio.storage.base import check_key
+from tierio.storage.base import check_key, where
 from tierio.weights import checkpoint
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -114,7 +114,7 @@ def _read_small_remote(store: Any, key: str, limit: int) -> bytes:
 
     size = store.stat(key).size
     if size > limit:
-        raise FormatError(f"{_where(store, key)} is {size} bytes, above the {limit}-byte limit for it; it is corrupt or hostile")
+        raise FormatError(f"{where(store, key)} is {size} bytes, above the {limit}-byte limit for it; it is corrupt or hostile")
     return read_bytes(store, key, 0, size)
 
 
@@ -257,7 +257,7 @@ def _resolve_remote(url: str, read_headers: bool) -> ModelSource:
         parent, name = _parent_url(url)
         store = open_store(parent)
         info = store.stat(name)
-        shards = [Shard(name, info.size, _where(store, name), info.mtime, store=store)]
+        shards = [Shard(name, info.size, where(store, name), info.mtime, store=store)]
         src = ModelSource(url, "file", shards, store=store, keys=[name])
     else:
         store = open_store(url)
@@ -267,23 +267,18 @@ def _resolve_remote(url: str, read_headers: bool) -> ModelSource:
 
         try:
             kind, shard_keys, subtree = _pick_kind(
-                keys, lambda key: _read_small_remote(store, key, MAX_INDEX_BYTES), lambda key: _where(store, key)
+                keys, lambda key: _read_small_remote(store, key, MAX_INDEX_BYTES), lambda key: where(store, key)
             )
         except NotFoundError as exc:
             raise NotFoundError(f"{url}: {exc}") from None
         infos = engine.run_windows(shard_keys, store.stat, depth=_PARALLEL)
-        shards = [Shard(k, i.size, _where(store, k), i.mtime, store=store) for k, i in zip(shard_keys, infos)]
+        shards = [Shard(k, i.size, where(store, k), i.mtime, store=store) for k, i in zip(shard_keys, infos)]
         src = ModelSource(url, kind, shards, store=store, keys=keys, names={} if subtree else None)
     if read_headers:
         for s, h in zip(src.shards, engine.run_windows(src.shards, _read_header_remote, depth=_PARALLEL)):
             s.header = h
         _finish_names(src)
     return src
-
-
-def _where(store: Any, key: str) -> str:
-    base = getattr(store, "url", "").split("?", 1)[0].rstrip("/")
-    return f"{base}/{key}"
 
 
 def _finish_names(src: ModelSource) -> None:
