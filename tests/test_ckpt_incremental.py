@@ -265,9 +265,9 @@ def rank_worker(rank: int, root: str, init: str) -> None:
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
-        # inline_records=0: the manifest names each rank's record, so counting references reads them
+        # inline_record_bytes=0: the manifest names each rank's record, so counting references reads them
         with CheckpointManager([Tier(os.path.join(root, "fast"), KeepLast(1)), os.path.join(root, "slow")],
-                               incremental=True, min_keep=1, inline_records=0) as mgr:
+                               incremental=True, min_keep=1, inline_record_bytes=0) as mgr:
             for step in (10, 20, 30):
                 state = state_for(step)
                 state["lora"] += rank
@@ -312,7 +312,7 @@ def uneven_worker(rank: int, root: str, init: str) -> None:
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
-        with CheckpointManager([os.path.join(root, "fast")], incremental=True, inline_records=0) as mgr:
+        with CheckpointManager([os.path.join(root, "fast")], incremental=True, inline_record_bytes=0) as mgr:
             for step in (10, 20):
                 state = state_for(step)
                 if rank == 0:

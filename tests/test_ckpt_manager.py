@@ -64,11 +64,18 @@ def test_double_buffer_keeps_two_persists_in_flight(tmp_path):
 
 
 def test_memory_budget_is_enforced(tmp_path):
-    with CheckpointManager([tmp_path / "t0"], memory_budget="64KiB") as mgr:
+    with CheckpointManager([tmp_path / "t0"], memory_budget_bytes="64KiB") as mgr:
         with pytest.raises(ConfigError, match="memory_budget"):
             mgr.save(1, make_state(1))
         mgr.save(2, make_state(2, n=1024)).wait()
         assert mgr.steps() == [2]
+
+
+def test_old_option_names_still_work_with_a_warning(tmp_path):
+    with pytest.warns(DeprecationWarning, match="memory_budget"):
+        mgr = CheckpointManager([tmp_path / "t0"], memory_budget="64KiB", inline_records=0)
+    with mgr:
+        assert mgr.options.memory_budget_bytes == 64 * 1024 and mgr.options.inline_record_bytes == 0
 
 
 def test_promotion_runs_behind_the_persist(tmp_path):

@@ -141,9 +141,9 @@ class CountingStore(LocalStore):
 
 
 def test_records_by_reference_for_large_jobs(tmp_path):
-    """Beyond inline_records, the manifest names each rank's record (size, xxh3) instead of inlining it."""
+    """Beyond inline_record_bytes, the manifest names each rank's record (size, xxh3) instead of inlining it."""
     def one(r: int) -> None:
-        with CheckpointManager([tmp_path / "a"], rank=r, world_size=3, run_id="big", inline_records=0) as mgr:
+        with CheckpointManager([tmp_path / "a"], rank=r, world_size=3, run_id="big", inline_record_bytes=0) as mgr:
             mgr.save(1, {"own": torch.full((4,), float(r)), "w": TensorSlice(WHOLE[:, 2 * r:2 * r + 2].clone(), (0, 2 * r), (10, 6))}).wait()
             mgr.save(2, {"own": torch.full((4,), float(r))}).wait()
     ranks(3, one)

@@ -23,6 +23,8 @@ class Options:
     """Base of every options record. ``ALIASES`` maps a deprecated keyword to its new field name."""
 
     ALIASES: ClassVar[dict[str, str]] = {}
+    # What the user called, for messages ("unknown CheckpointManager option(s) ..."); default the class name.
+    LABEL: ClassVar[str | None] = None
 
     def __post_init__(self) -> None:
         # Sizes are normalised once, here, so every reader of the options sees plain ints.
@@ -42,13 +44,13 @@ class Options:
         for name, value in given.items():
             new = self.ALIASES.get(name)
             if new is not None and name not in known:
-                warnings.warn(f"{type(self).__name__}: {name!r} is deprecated, use {new!r}",
+                warnings.warn(f"{self.LABEL or type(self).__name__}: {name!r} is deprecated, use {new!r}",
                               DeprecationWarning, stacklevel=3)
                 name = new
             mapped[name] = value
         unknown = sorted(set(mapped) - known)
         if unknown:
-            raise ConfigError(f"unknown {type(self).__name__} option(s) {', '.join(unknown)}; "
+            raise ConfigError(f"unknown {self.LABEL or type(self).__name__} option(s) {', '.join(unknown)}; "
                               f"known: {', '.join(sorted(known))}")
         return replace(self, **mapped)
 

@@ -13,6 +13,7 @@ from tierio.io.buffers import BufferPool
 from tierio.io.checksum import xxh3
 from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Store, list_sizes, read_bytes
+from tierio.stats import Stats
 
 from tierio.ckpt.commit import Fence, put_manifest, read_record
 from tierio.ckpt.lineage import manifest_on
@@ -20,7 +21,7 @@ from tierio.ckpt.reader import read_manifest_raw, where
 
 
 @dataclass
-class CopyStats:
+class CopyStats(Stats):
     bytes: int = 0
     seconds: float = 0.0
     files: int = 0

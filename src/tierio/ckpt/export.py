@@ -24,6 +24,7 @@ from tierio.format.slices import Box
 from tierio.storage.base import Store
 from tierio.storage.local import LocalStore
 from tierio.storage.url import open_store
+from tierio.stats import Stats
 
 from tierio.ckpt.reader import committed_steps, read_manifest
 from tierio.ckpt.reshard import Stored, Target, global_tensors, own_tensors
@@ -34,7 +35,7 @@ MAX_SHARD_BYTES = 5 * 10**9  # the Hugging Face default
 
 
 @dataclass
-class ExportReport:
+class ExportReport(Stats):
     step: int
     out: str
     tensors: int = 0

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from tierio.errors import StorageError, TierioError
 from tierio.format.shard import manifest_key, step_dir
 from tierio.storage.base import Store
+from tierio.stats import Stats
 
 from tierio.ckpt.reader import commit_times, committed_in, committed_steps, step_dirs
 from tierio.ckpt.refs import referenced
@@ -76,7 +77,7 @@ class Skipped:
 
 
 @dataclass
-class GcReport:
+class GcReport(Stats):
     deleted: list[Removed] = field(default_factory=list)  # committed checkpoints retention dropped
     uncommitted: list[Removed] = field(default_factory=list)  # manifest-less directories removed
     leftovers: int = 0  # temp files / multipart uploads removed (not counted in a dry run)

@@ -83,7 +83,7 @@ class CheckpointManager:
     """Asynchronous tiered checkpoints. ``tiers`` go from fastest to slowest (URLs, Stores or Tier).
 
     Options come as a :class:`CheckpointOptions` or as keywords of the same names (``run_id``,
-    ``commit_timeout``, ``memory_budget``, ...). Rank and world size come from the initialised
+    ``commit_timeout``, ``memory_budget_bytes``, ...). Rank and world size come from the initialised
     process group (``process_group``, default the world) unless given."""
 
     def __init__(self, tiers: Sequence[str | Tier | Store], options: CheckpointOptions | None = None, *,
@@ -91,7 +91,7 @@ class CheckpointManager:
                  **overrides: Any) -> None:
         if isinstance(tiers, (str, Tier)) or not tiers:
             raise ConfigError("CheckpointManager needs a list of tiers, fastest first, e.g. ['/nvme/ckpt', 's3://bucket/run1']")
-        self.options = opts = (options or CheckpointOptions()).with_overrides(overrides)
+        self.options = opts = CheckpointOptions.resolve(options, overrides)
         if opts.mtbf is not None:
             check_mtbf(opts.mtbf)
         rate = parse_size(opts.promote_bandwidth) if isinstance(opts.promote_bandwidth, str) else opts.promote_bandwidth
@@ -108,9 +108,9 @@ class CheckpointManager:
         self._leases = TierLeases(job.run_id, self.rank, self.world_size, force=opts.break_lease,
                                   wait_timeout=opts.commit_timeout, timing=timing)
         self._cluster = Cluster(self.rank, self.world_size, job.node, self._leases, Waiting(opts.commit_timeout),
-                                self.limiter, copy_pool(), opts.inline_records)
+                                self.limiter, copy_pool(), opts.inline_record_bytes)
         self._buddy = self._setup_buddy(rate) if opts.buddy else None
-        self.memory_budget = parse_size(opts.memory_budget) if isinstance(opts.memory_budget, str) else opts.memory_budget
+        self.memory_budget = opts.memory_budget_bytes
         self.slots = 2 if opts.double_buffer else 1
         self.min_keep = opts.min_keep
         self.commit_timeout = opts.commit_timeout
@@ -271,7 +271,7 @@ class CheckpointManager:
         if self.memory_budget is not None and align_up(need) > self.memory_budget:
             raise ConfigError(
                 f"rank {self.rank}'s shard for step {step} needs {human_bytes(need)} of staging memory, above "
-                f"memory_budget={human_bytes(self.memory_budget)}; raise the budget"
+                f"memory_budget_bytes={human_bytes(self.memory_budget)}; raise the budget"
             )
         tw = time.perf_counter()
         # Waits while the previous persist still owns the buffers; a background failure ends the wait.
@@ -378,7 +378,7 @@ class CheckpointManager:
         lineage = Lineage(self._run(), rollback.after if rollback is not None else None)
         plan = CommitPlan(step, self.world_size, {r: p.record for r, p in parts.items() if p.record is not None},
                           {r: p.entry.bytes for r, p in parts.items()}, lineage.extra(),
-                          {r: p.entry for r, p in parts.items()}, tree, self.options.inline_records)
+                          {r: p.entry for r, p in parts.items()}, tree, self.options.inline_record_bytes)
         commit(store, build_manifest(store, plan), [p.record.name for p in parts.values() if p.record is not None],
                self._cluster.fence(store))
 

@@ -24,6 +24,7 @@ from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Store
 from tierio.storage.url import open_store
 from tierio.units import parse_size
+from tierio.stats import Stats
 
 from tierio.ckpt.commit import read_records
 from tierio.ckpt.copy import CopyStats, copy_step
@@ -36,7 +37,7 @@ from tierio.ckpt.retention import Retention, parse_retention
 
 
 @dataclass
-class CheckpointInfo:
+class CheckpointInfo(Stats):
     step: int
     time: str
     world_size: int

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from typing import Any
+from dataclasses import dataclass
+from typing import ClassVar
 
-from tierio.errors import ConfigError
+from tierio.options import Options
 
 from tierio.ckpt.commit import INLINE_RECORD_BYTES
 
 
 @dataclass(frozen=True)
-class CheckpointOptions:
+class CheckpointOptions(Options):
     """How a CheckpointManager saves, commits and cleans up.
 
-    ``memory_budget``: cap on staging memory (bytes or text such as "8GB"); ``double_buffer``: two
+    ``memory_budget_bytes``: cap on staging memory (bytes or text such as "8GB"); ``double_buffer``: two
     staging buffers, so a save can overlap the previous persist; ``promote_bandwidth``: limit on
     writes to slower tiers (bytes/s or text); ``min_keep``: checkpoints retention always leaves;
     ``commit_timeout``: seconds a commit waits for every rank's shard; ``run_id``: this run's name in
@@ -24,7 +24,7 @@ class CheckpointOptions:
     ``node``: this rank's node, for node-local tiers (default: the host name; with a process
     group, ranks naming the same node share it); ``ranks_per_node``: without a process group,
     ranks sit on nodes in blocks of this many (default: torchrun's LOCAL_WORLD_SIZE, else one
-    node); ``inline_records``: rank records up to this many bytes together are merged into the
+    node); ``inline_record_bytes``: rank records up to this many bytes together are merged into the
     manifest, larger ones are referenced; ``mtbf``: the job's mean time
     between failures in seconds, which turns on ``CheckpointManager.should_save`` (Young/Daly's
     interval from the measured cost of saves, ``ckpt.interval``); ``overlap``: zero-stall snapshots,
@@ -38,7 +38,7 @@ class CheckpointOptions:
     ``incremental``: a save writes only the tensors that changed since the last step this manager
     committed, the manifest refers to the earlier shards for the others (``ckpt.incremental``)."""
 
-    memory_budget: int | str | None = None
+    memory_budget_bytes: int | str | None = None
     double_buffer: bool = False
     promote_bandwidth: float | str | None = None
     min_keep: int = 3
@@ -48,17 +48,13 @@ class CheckpointOptions:
     lease_expires: float | None = None
     node: str | None = None
     ranks_per_node: int | None = None
-    inline_records: int = INLINE_RECORD_BYTES
+    inline_record_bytes: int | str = INLINE_RECORD_BYTES
     mtbf: float | None = None
     overlap: bool = False
     buddy: bool = False
     buddy_bandwidth: float | str | None = None
     incremental: bool = False
 
-    def with_overrides(self, overrides: dict[str, Any]) -> CheckpointOptions:
-        """These options with keyword arguments (the manager's older keywords) applied."""
-        known = {f.name for f in fields(self)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise ConfigError(f"unknown CheckpointManager option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return replace(self, **overrides) if overrides else self
+    LABEL: ClassVar[str] = "CheckpointManager"
+    ALIASES: ClassVar[dict[str, str]] = {"memory_budget": "memory_budget_bytes",
+                                         "inline_records": "inline_record_bytes"}

@@ -15,6 +15,7 @@ from tierio.format.shard import manifest_key, parse_step_dir, step_dir
 from tierio.io.buffers import HostBuffer
 from tierio.io.checksum import xxh3
 from tierio.storage.base import Store, read_bytes
+from tierio.stats import Stats
 
 from tierio.ckpt.commit import read_record, where
 
@@ -96,7 +97,7 @@ class Problem:
 
 
 @dataclass
-class VerifyReport:
+class VerifyReport(Stats):
     step: int
     copies: dict[str, str] = field(default_factory=dict)  # tier url -> "ok" | "bad" | "absent"
     problems: list[Problem] = field(default_factory=list)

@@ -42,6 +42,7 @@ from tierio.format.statetree import tensor_refs, unflatten
 from tierio.io.buffers import align_up
 from tierio.io.mapping import Arena
 from tierio.io.untrusted import parsing
+from tierio.stats import Stats
 
 from tierio.ckpt.commit import read_record, where
 from tierio.ckpt.mapped import map_all, placed
@@ -166,7 +167,7 @@ def global_want(name: str, stored: Stored, into: Any) -> _Want:
 
 # -- the restore -----------------------------------------------------------------------------------
 @dataclass
-class RestoreStats:
+class RestoreStats(Stats):
     """How a restore moved its bytes: ``mapped_bytes`` became copy-on-write maps of local shard
     files (new memory, ckpt.mapped), ``read_bytes`` were read into tensors (in place, or tensors
     that no single local file holds whole)."""

@@ -17,6 +17,7 @@ from tierio.format.shard import Placement, ShardBytes, ShardLayout, stage_into
 from tierio.format.statetree import FlatState
 from tierio.io.buffers import HostBuffer
 from tierio.units import human_bytes
+from tierio.handle import Handle
 
 from tierio.ckpt.lineage import Rollback
 from tierio.ckpt.tier import Tier, TierState
@@ -28,7 +29,7 @@ CAPACITY_WARN = 0.80
 
 
 @dataclass
-class SaveHandle:
+class SaveHandle(Handle[None]):
     """Completion handles of one save: ``staged`` (state copied, the caller may go on),
     ``persisted`` (this rank's shard durable on tier 0, and the step committed there when tier 0
     is shared), ``committed`` (the step's manifest on its first shared tier: globally committed),

@@ -121,7 +121,7 @@ class TierioCheckpointsMixin:
     """Mix into a ``transformers.Trainer`` (sub)class: its checkpoints go through tierio.
 
     ``tierio_tiers``: tier URLs, fastest first; ``tierio_options``: CheckpointManager keywords
-    (``memory_budget``, ``promote_bandwidth``, ``min_keep``, ...)."""
+    (``memory_budget_bytes``, ``promote_bandwidth``, ``min_keep``, ...)."""
 
     def __init__(self, *args: Any, tierio_tiers: Any, tierio_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

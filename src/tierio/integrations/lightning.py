@@ -58,7 +58,7 @@ ADVICE = unstorable_advice(
 class TierioCheckpointIO(CheckpointIO):
     """Lightning checkpoints saved asynchronously into tierio ``tiers`` (fastest first).
 
-    ``manager_options`` are :class:`tierio.ckpt.CheckpointManager` keywords (``memory_budget``,
+    ``manager_options`` are :class:`tierio.ckpt.CheckpointManager` keywords (``memory_budget_bytes``,
     ``promote_bandwidth``, ...). Two defaults differ: ``double_buffer=True`` (with
     ``save_last=True`` Lightning saves twice in a row, and the second save would otherwise wait
     for the first one's write) and ``min_keep=1`` (Lightning's files say what to keep; tierio
