@@ -29,10 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from tierio.data.columns import (
-    DEFAULT_WINDOW,
     MAX_WINDOW,
     MIN_WINDOW,
-    Column,
     ColumnLayout,
     FieldType,
     ShardBuilder,
