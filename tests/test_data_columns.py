@@ -30,7 +30,7 @@ def _sample(i: int) -> dict[str, np.ndarray]:
 
 
 def _write(url: str, n: int = N, shard_size: int = 1024, **kw) -> None:
-    with ShardWriter(url, ["tokens", "label", "doc"], shard_size=shard_size, meta={"kind": "test"}, **kw) as w:
+    with ShardWriter(url, ["tokens", "label", "doc"], shard_bytes=shard_size, meta={"kind": "test"}, **kw) as w:
         for i in range(n):
             w.write(_sample(i))
 
@@ -101,7 +101,7 @@ def test_the_loader_hands_over_whole_batches_with_and_without_workers(tmp_path, 
 
 def test_a_field_that_changes_length_later_is_variable_for_the_whole_dataset(tmp_path):
     u = f"file://{tmp_path / 'ds'}"
-    with ShardWriter(u, ["x"], shard_size=256) as w:
+    with ShardWriter(u, ["x"], shard_bytes=256) as w:
         for i in range(100):
             w.write({"x": np.zeros(4 if i < 50 else 2 + i % 3, np.float32)})
     man = load_manifest(u)
@@ -120,7 +120,7 @@ def test_a_field_that_changes_length_later_is_variable_for_the_whole_dataset(tmp
 def test_samples_the_container_cannot_hold_are_refused_and_nothing_is_committed(tmp_path, first, bad, match):
     u = f"file://{tmp_path / 'ds'}"
     with pytest.raises(ConfigError, match=match):
-        with ShardWriter(u, ["x"], shard_size=64) as w:
+        with ShardWriter(u, ["x"], shard_bytes=64) as w:
             for _ in range(0 if first else 10):
                 w.write({"x": np.zeros(2, np.float32)})
             w.write(bad)
@@ -130,7 +130,7 @@ def test_samples_the_container_cannot_hold_are_refused_and_nothing_is_committed(
 # -- checksums --------------------------------------------------------------------------------------
 def test_each_window_is_checked_as_it_arrives_and_a_bad_one_keeps_nothing(tmp_path):
     u = f"file://{tmp_path / 'ds'}"
-    with ShardWriter(u, ["x"], shard_size=1 << 20, window=64 << 10) as w:
+    with ShardWriter(u, ["x"], shard_bytes=1 << 20, window_bytes=64 << 10) as w:
         for i in range(4096):
             w.write({"x": np.full(64, i, np.int32)})
     man = load_manifest(u)
@@ -213,7 +213,7 @@ def test_consistently_huge_declared_sizes_are_refused_before_anything_is_sized_b
     shard's real size is checked before its declared sample count sizes anything (a permutation
     of 1e11 samples would take 800 GB)."""
     u = f"file://{tmp_path / 'ds'}"
-    with ShardWriter(u, ["x"], shard_size=4096, format=format) as w:
+    with ShardWriter(u, ["x"], shard_bytes=4096, format=format) as w:
         for i in range(40):
             w.write({"x": np.array(i, np.int64)})
     extra = 10**11
@@ -239,7 +239,7 @@ def test_consistently_huge_declared_sizes_are_refused_before_anything_is_sized_b
 
 
 def _write_tar(u: str) -> None:
-    with ShardWriter(u, ["x"], shard_size=4096, format="tar") as w:
+    with ShardWriter(u, ["x"], shard_bytes=4096, format="tar") as w:
         for i in range(40):
             w.write({"x": np.array([i, i * i], np.int64)})
 
@@ -258,7 +258,7 @@ def test_a_tar_index_longer_than_the_manifest_says_is_read_only_as_far_as_it_say
 # -- export and S3 ------------------------------------------------------------------------------------
 def test_export_writes_webdataset_shards_that_tar_and_webdataset_read(tmp_path, url):
     out = tmp_path / "wds"
-    man = export_dataset(url, f"file://{out}", shard_size="16KiB")
+    man = export_dataset(url, f"file://{out}", shard_bytes="16KiB")
     assert man.container == "tar" and man.num_samples == N and len(man.shards) > 1 and man.meta == {"kind": "test"}
     first = out / man.shards[0].key
     listing = subprocess.run(["tar", "tf", str(first)], capture_output=True, text=True, check=True).stdout.split()
@@ -291,7 +291,7 @@ def test_shards_written_to_s3_in_the_background_read_back_the_same(tmp_path, s3_
 def test_a_failed_write_commits_nothing(tmp_path):
     u = f"file://{tmp_path / 'ds'}"
     with pytest.raises(RuntimeError):
-        with ShardWriter(u, ["x"], shard_size=64) as w:
+        with ShardWriter(u, ["x"], shard_bytes=64) as w:
             for i in range(100):
                 w.write({"x": np.full(8, i, np.int64)})
             raise RuntimeError("the producer died")

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from tierio.cli.main import main
 from tierio.data.builder import build_indexed
 from tierio.data.indexed import IndexedDataset
+from tierio.data.binpack import bfd_window, ffd_window
 from tierio.data.packing import (
-    IGNORE_INDEX, PackedDataset, _bfd_window, _ffd_window, block_diagonal_mask, build_pack, collate_packed,
-    load_plan, plan_packing, save_plan,
+    IGNORE_INDEX, PackedDataset, block_diagonal_mask, build_pack, collate_packed, load_plan, plan_packing, save_plan,
 )
 from tierio.errors import ConfigError, FormatError
 
@@ -46,7 +46,7 @@ lengths_and_S = st.integers(1, 64).flatmap(
 @given(lengths_and_S)
 def test_ffd_is_exactly_first_fit_decreasing(case):
     lengths, S = case
-    got, nb = _ffd_window(np.asarray(lengths, dtype=np.int64), S)
+    got, nb = ffd_window(np.asarray(lengths, dtype=np.int64), S)
     ref, caps = _reference(lengths, S, best=False)
     assert nb == len(caps) and got.tolist() == ref
 
@@ -55,7 +55,7 @@ def test_ffd_is_exactly_first_fit_decreasing(case):
 @given(lengths_and_S)
 def test_bfd_matches_best_fit_decreasing(case):
     lengths, S = case
-    got, nb = _bfd_window(np.asarray(lengths, dtype=np.int64), S)
+    got, nb = bfd_window(np.asarray(lengths, dtype=np.int64), S)
     ref, caps = _reference(lengths, S, best=True)
     loads = np.bincount(got, weights=lengths, minlength=nb) if lengths else np.zeros(0)
     assert nb == len(caps)

@@ -24,7 +24,7 @@ def _write(url, n=N, shard_size=320, seed=None, format="columns"):
     bytes in a columns shard, ~10 in a 16 KiB tar shard)."""
     if format == "tar" and shard_size == 320:
         shard_size = 16384
-    with ShardWriter(url, ["x", "pad"], shard_size=shard_size, meta={"seed": seed}, format=format) as w:
+    with ShardWriter(url, ["x", "pad"], shard_bytes=shard_size, meta={"seed": seed}, format=format) as w:
         for i in range(n):
             w.write({"x": np.array([i, (i * i) % 97], np.int64), "pad": np.zeros(16, np.uint8)})
     return w.manifest

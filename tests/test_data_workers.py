@@ -25,7 +25,7 @@ N = 400
 @pytest.fixture
 def url(tmp_path) -> str:
     u = f"file://{tmp_path / 'remote'}"
-    with ShardWriter(u, ["x", "doc"], shard_size=640) as w:
+    with ShardWriter(u, ["x", "doc"], shard_bytes=640) as w:
         for i in range(N):
             w.write({"x": np.array([i, i % 7], np.int64), "doc": np.arange(i % 3, dtype=np.int32)})
     return u
@@ -69,7 +69,7 @@ def test_workers_send_slot_numbers_and_the_order_is_one_process_order(tmp_path, 
 
 def test_fixed_fields_only_travel_as_two_numbers(tmp_path, monkeypatch):
     u = f"file://{tmp_path / 'fixed'}"
-    with ShardWriter(u, ["x"], shard_size=640) as w:
+    with ShardWriter(u, ["x"], shard_bytes=640) as w:
         for i in range(N):
             w.write({"x": np.array([i, 1], np.int64)})
     sizes = []

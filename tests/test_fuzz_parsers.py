@@ -241,7 +241,7 @@ def test_fuzz_megatron_idx(megatron, data):
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> tuple[Any, Path]:
     d = tmp_path_factory.mktemp("shards")
-    with ShardWriter(f"file://{d}", ["x", "y"], shard_size=2048, format="tar") as w:
+    with ShardWriter(f"file://{d}", ["x", "y"], shard_bytes=2048, format="tar") as w:
         for i in range(12):
             w.write({"x": np.arange(i, dtype=np.int32), "y": np.array(float(i))})
     return load_manifest(f"file://{d}"), d

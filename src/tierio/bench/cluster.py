@@ -106,7 +106,7 @@ def _persist(work: Path, rank: int, world: int, size: int, tensors: int, repeat:
     two sides alternate on the same disk (its speed moves by 2x within minutes)."""
     import torch.distributed as dist
 
-    from tierio.bench.ckpt import make_state, state_nbytes
+    from tierio.bench.state import make_state, state_nbytes
     from tierio.ckpt import CheckpointManager, KeepLast, Tier
 
     state = make_state(size // world, max(1, tensors // world), seed=rank)
@@ -138,7 +138,7 @@ def _buddy(work: Path, rank: int, world: int, size: int, repeat: int) -> dict[st
     with its partner takes once its shard is durable (it runs behind save, on its own thread)."""
     import torch.distributed as dist
 
-    from tierio.bench.ckpt import make_state, state_nbytes
+    from tierio.bench.state import make_state, state_nbytes
     from tierio.ckpt import CheckpointManager, KeepLast, Tier
 
     node = rank // (world // 2)

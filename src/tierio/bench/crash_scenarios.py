@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tierio.bench.crash import Ctx, Scenario
+from tierio.bench.crash_recorder import Ctx, Scenario
 
 
 # -- shared by the checkpoint scenarios -----------------------------------------------------------

@@ -214,7 +214,7 @@ def bench_stream(work: Path, nbytes: int, seq_len: int, shard_size: int, repeat:
     from tierio.storage.seaweed import SeaweedServer
 
     local_dir = work / "shards-local"
-    with ShardWriter(open_store(str(local_dir)), ["tokens", "seqlens"], shard_size=shard_size) as w:
+    with ShardWriter(open_store(str(local_dir)), ["tokens", "seqlens"], shard_bytes=shard_size) as w:
         w.write_all(_packed_samples(nbytes, seq_len))
     man = w.manifest
     assert man is not None

@@ -174,7 +174,7 @@ def run_tierio(server: ServerRef, data: np.ndarray, work: Path, workers: tuple[i
     bucket, store = _bucket(server)
     url = server.url(f"{bucket}/tierio")
     t0 = time.perf_counter()
-    with ShardWriter(url, ["tokens"], shard_size=SHARD_BYTES) as w:
+    with ShardWriter(url, ["tokens"], shard_bytes=SHARD_BYTES) as w:
         for row in data:
             w.write({"tokens": row})
     write_s = time.perf_counter() - t0

@@ -239,7 +239,7 @@ def _pack(args) -> int:
         t1 = time.perf_counter()
         packed = PackedDataset(ds, plan, check_source=False)  # the plan was just made from ds
         with progress(f"writing shards to {args.shards}", quiet=args.json):
-            man = write_packed_shards(packed, args.shards, shard_size=args.shard_size, format=args.format)
+            man = write_packed_shards(packed, args.shards, shard_bytes=args.shard_size, format=args.format)
         result.update({"shards_url": args.shards, "shards": len(man.shards), "shard_bytes": man.total_bytes,
                        "shard_seconds": round(time.perf_counter() - t1, 3)})
     _show(f"packed {ds.prefix} into {args.seq_len}-token sequences", result, args.json)
@@ -257,7 +257,7 @@ def _export(args) -> int:
                             "index.json")
     t0 = time.perf_counter()
     with progress(f"exporting to {args.dest}", quiet=args.json):
-        man = export_dataset(args.source, args.dest, format=args.format, shard_size=args.shard_size,
+        man = export_dataset(args.source, args.dest, format=args.format, shard_bytes=args.shard_size,
                              cache_dir=args.cache_dir)
     _show(f"exported {args.source}", {"dest": args.dest, "format": args.format, "samples": man.num_samples,
                                       "shards": len(man.shards), "shard_bytes": man.total_bytes,

@@ -27,6 +27,7 @@ from tierio.data.indexed import (
     optimal_dtype,
     strip_suffix,
 )
+from tierio.data.documents import DocumentBatch, load_tokenizer
 from tierio.io.files import os_error
 
 
@@ -43,20 +44,6 @@ class BuildStats:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-@dataclass(frozen=True)
-class DocumentBatch:
-    """Many documents at once: ``tokens`` concatenated, ``lengths`` the token count of each;
-    ``locate(i)`` says where document ``i`` of the batch came from (for error messages)."""
-
-    tokens: np.ndarray
-    lengths: np.ndarray
-    locate: Callable[[int], str]
-
-    def document_of(self, token_index: int) -> int:
-        """The document of the batch that holds token ``token_index``."""
-        return int(np.searchsorted(np.cumsum(self.lengths), token_index, side="right"))
 
 
 # -- inputs ---------------------------------------------------------------------------------
@@ -115,24 +102,6 @@ def iter_npy_docs(path: str | Path) -> Iterator[np.ndarray]:
             yield row
     else:
         raise FormatError(f"{p}: expected a 1-D (one document) or 2-D (one per row) array, got shape {arr.shape}")
-
-
-def load_tokenizer(tokenizer_json: str | Path):
-    """A Hugging Face ``tokenizers`` tokenizer from a local tokenizer.json (no network)."""
-    try:
-        from tokenizers import Tokenizer  # optional dependency
-    except ImportError:
-        raise ConfigError(
-            "raw text input needs the 'tokenizers' package, which is not installed: "
-            "pip install tokenizers, or tokenize elsewhere and pass JSONL of token ids or .npy"
-        ) from None
-    p = Path(tokenizer_json)
-    if not p.is_file():
-        raise NotFoundError(f"tokenizer file {p} does not exist; pass the path of a local tokenizer.json")
-    try:
-        return Tokenizer.from_file(str(p))
-    except Exception as exc:  # the Rust binding raises its own exception type
-        raise FormatError(f"{p}: cannot load tokenizer ({exc})") from None
 
 
 def iter_text_docs(

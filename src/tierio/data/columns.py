@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from tierio.errors import ConfigError, FormatError
+from tierio.io.checksum import StreamingChecksum
 from tierio.io.untrusted import MAX_COUNT, Fields
 
 ALIGN = 64  # every column starts on a cache line, so every view is aligned for its dtype
@@ -359,8 +359,8 @@ def dataset_types(rows: dict[str, FieldType], shapes: Sequence[tuple[tuple[int, 
 
 def window_digests(pieces: Sequence[memoryview], window: int) -> tuple[str, list[str]]:
     """xxh3 of the whole shard and of each ``window`` bytes of it, from its pieces in file order."""
-    whole = xxhash.xxh3_64()
-    part = xxhash.xxh3_64()
+    whole = StreamingChecksum()
+    part = StreamingChecksum()
     digests: list[str] = []
     filled = 0
     for p in pieces:
@@ -372,12 +372,12 @@ def window_digests(pieces: Sequence[memoryview], window: int) -> tuple[str, list
             filled += take
             pos += take
             if filled == window:
-                digests.append(f"{part.intdigest():016x}")
-                part.reset()
+                digests.append(part.hexdigest())
+                part = StreamingChecksum()
                 filled = 0
     if filled:
-        digests.append(f"{part.intdigest():016x}")
-    return f"{whole.intdigest():016x}", digests
+        digests.append(part.hexdigest())
+    return whole.hexdigest(), digests
 
 
 def check_windows(size: int, window: int, digests: Sequence[str], where: str) -> None:

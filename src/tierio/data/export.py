@@ -16,21 +16,25 @@ from typing import Any
 
 import numpy as np
 
+from tierio.data.options import ShardOptions
 from tierio.data.reader import ReaderOptions, ShardReader
-from tierio.data.shards import DEFAULT_SHARD_SIZE, Container, Manifest, ShardWriter, load_manifest
+from tierio.data.shards import ShardManifest, ShardWriter, load_manifest
 from tierio.storage.base import Store
+from tierio.storage import LocalStore
+from tierio.storage.url import as_store
 
 CHUNK = 1024  # samples taken from a shard at once
 
 
-def export_dataset(src: str | Path | Store, dst: str | Path | Store, *, format: Container = "tar",
-                   shard_size: int | str = DEFAULT_SHARD_SIZE, cache_dir: str | Path | None = None) -> Manifest:
+def export_dataset(src: str | Path | Store, dst: str | Path | Store, *, cache_dir: str | Path | None = None,
+                   options: ShardOptions | None = None, **overrides: Any) -> ShardManifest:
     """Write every sample of the dataset at ``src``, in order, to ``dst`` in ``format``.
 
-    A remote source is read through ``cache_dir`` (a temporary directory when not given)."""
-    from tierio.storage import LocalStore, open_store
-
-    store = open_store(src) if isinstance(src, (str, Path)) else src
+    ``options``/``overrides`` are the ShardWriter's (``format`` defaults to "tar" here, the
+    layout other tools read; ``shard_bytes``). A remote source is read through ``cache_dir``
+    (a temporary directory when not given)."""
+    opts = (options or ShardOptions(format="tar")).with_overrides(overrides)
+    store = as_store(src)
     manifest = load_manifest(store, store.url)
     scratch = None
     if cache_dir is None and not isinstance(store, LocalStore):
@@ -39,7 +43,7 @@ def export_dataset(src: str | Path | Store, dst: str | Path | Store, *, format: 
     reader = ShardReader(store, manifest, ReaderOptions(None if cache_dir is None else Path(cache_dir), limit,
                                                         max_open_shards=1, prefetch=0))
     try:
-        with ShardWriter(dst, manifest.fields, shard_size=shard_size, meta=manifest.meta, format=format) as w:
+        with ShardWriter(dst, manifest.fields, meta=manifest.meta, options=opts) as w:
             for s, info in enumerate(manifest.shards):
                 for a in range(0, info.samples, CHUNK):
                     batch = reader.shard(s).take(np.arange(a, min(a + CHUNK, info.samples)), copy=False)

@@ -14,13 +14,16 @@ Defaults, and why:
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
 from tierio import events
+from tierio.data.options import LoaderOptions
 from tierio.errors import ConfigError
+from tierio.stats import Stats
+from tierio.units import parse_size
 
 
 def _cuda_devices() -> int:
@@ -40,7 +43,9 @@ def _cores() -> int:
 
 
 @dataclass
-class LoaderSettings:
+class LoaderSettings(Stats):
+    """What ``loader_settings`` chose for this machine (``loader_kwargs()`` for a DataLoader)."""
+
     num_workers: int
     pin_memory: bool
     prefetch_factor: int | None
@@ -56,35 +61,32 @@ class LoaderSettings:
             kw["persistent_workers"] = self.persistent_workers
         return kw
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
-
-def loader_settings(
-    *, accelerators: int | None = None, cores: int | None = None, num_workers: int | None = None,
-    pin_memory: bool | None = None, prefetch_factor: int = 4, persistent_workers: bool = True, drop_last: bool = True,
-) -> LoaderSettings:
-    """The production settings for this machine (override any of them by keyword)."""
-    acc = _cuda_devices() if accelerators is None else accelerators
-    cores = _cores() if cores is None else cores
+def loader_settings(options: LoaderOptions | None = None, **overrides: Any) -> LoaderSettings:
+    """The production settings for this machine (override any LoaderOptions field by keyword)."""
+    o = LoaderOptions.resolve(options, overrides)
+    num_workers, prefetch_factor = o.num_workers, o.prefetch_factor
+    acc = _cuda_devices() if o.accelerators is None else o.accelerators
+    cores = _cores() if o.cores is None else o.cores
     if num_workers is None:
         num_workers = max(1, min(cores // max(1, acc), 8))
     if num_workers < 0:
         raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
     if prefetch_factor < 1:
         raise ConfigError(f"prefetch_factor must be >= 1, got {prefetch_factor}")
-    pin = (acc > 0) if pin_memory is None else pin_memory
+    pin = (acc > 0) if o.pin_memory is None else o.pin_memory
     return LoaderSettings(num_workers, pin, prefetch_factor if num_workers else None,
-                          persistent_workers and num_workers > 0, drop_last, acc, cores)
+                          o.persistent_workers and num_workers > 0, o.drop_last, acc, cores)
 
 
-def pinned_memory_estimate(batch_bytes: int, settings: LoaderSettings) -> dict[str, int]:
+def pinned_memory_estimate(batch_bytes: int | str, settings: LoaderSettings) -> dict[str, int]:
     """Host memory the loader holds, from the bytes of one collated batch.
 
     Workers keep up to ``num_workers * prefetch_factor`` batches ready in shared memory; the
     pin-memory thread copies each into page-locked memory before the loop takes it, so up to
     that many plus the one in use can be pinned at once.
     """
+    batch_bytes = parse_size(batch_bytes)
     in_flight = max(1, settings.num_workers) * (settings.prefetch_factor or 1) if settings.num_workers else 1
     pinned = (in_flight + 1) * batch_bytes if settings.pin_memory else 0
     return {"batch_bytes": batch_bytes, "batches_in_flight": in_flight, "shared_bytes": in_flight * batch_bytes,

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from tierio.data.builder import DocumentBatch, load_tokenizer
+from tierio.data.documents import DocumentBatch, load_tokenizer
 from tierio.errors import ConfigError, FormatError, NotFoundError
 
 DEFAULT_BATCH_ROWS = 16384

@@ -21,10 +21,11 @@ import numpy as np
 
 from tierio.data.cache import ShardCache, check_fits, largest_shard, release_fd
 from tierio.data.columns import ColumnShard
-from tierio.data.shards import Manifest, ShardFile, ShardInfo, parse_index
+from tierio.data.shards import ShardManifest, ShardFile, ShardInfo, parse_index
 from tierio.errors import ConfigError, FormatError, IntegrityError, NotFoundError
 from tierio.io.files import map_readonly
 from tierio.storage.base import Store, read_bytes
+from tierio.storage.base import where as name_of  # locals here call the message text `where`
 
 
 class Shard(Protocol):
@@ -40,7 +41,7 @@ class Shard(Protocol):
 class MappedColumnShard:
     """A columns shard mapped from a local file; ``on_close`` releases its cache pin."""
 
-    def __init__(self, path: Path, manifest: Manifest, shard: int, where: str,
+    def __init__(self, path: Path, manifest: ShardManifest, shard: int, where: str,
                  on_close: Callable[[], None] | None = None) -> None:
         self._on_close = on_close
         try:
@@ -102,7 +103,7 @@ def _local_world_size() -> int:
 class ShardReader:
     """The shards of ``manifest`` at ``store``, for one process (not shared across a fork)."""
 
-    def __init__(self, store: Store, manifest: Manifest, options: ReaderOptions) -> None:
+    def __init__(self, store: Store, manifest: ShardManifest, options: ReaderOptions) -> None:
         from tierio.storage import LocalStore
 
         self.store = store
@@ -151,10 +152,10 @@ class ShardReader:
             try:
                 real = self.store.stat(info.key).size
             except NotFoundError:
-                raise NotFoundError(f"{self.url}/{info.key} is listed in the manifest but missing on the store; "
+                raise NotFoundError(f"{name_of(self.store, info.key)} is listed in the manifest but missing on the store; "
                                     "re-upload the dataset") from None
             if real != info.size:
-                raise IntegrityError(f"{self.url}/{info.key} is {real} bytes but the manifest says {info.size}; the "
+                raise IntegrityError(f"{name_of(self.store, info.key)} is {real} bytes but the manifest says {info.size}; the "
                                      "dataset was changed after its manifest was written, or the manifest is forged")
         self._sized.add(shard)
 
@@ -164,7 +165,7 @@ class ShardReader:
         idx = self._indexes.get(shard)
         if idx is None:
             info = self.manifest.shards[shard]
-            where = f"{self.url}/{info.index_key}"
+            where = name_of(self.store, info.index_key)
             nfields = len(self.manifest.fields)
             cache = self.cache
             raw = cache.read_index(info) if cache is not None else None
@@ -219,7 +220,7 @@ class ShardReader:
 
     def _open_shard(self, shard: int) -> Shard:
         info: ShardInfo = self.manifest.shards[shard]
-        where = f"{self.url}/{info.key}"
+        where = name_of(self.store, info.key)
         cache = self.cache
         if cache is None:
             path = self.store.path(info.key)  # type: ignore[attr-defined]

@@ -12,7 +12,7 @@ A dataset is a key prefix in any Store holding
 or, with ``format="tar"``, the WebDataset layout (``shard-000000.tar`` + ``shard-000000.idx.npy``,
 see tierio.data.tar) that any tar tool and the ``webdataset`` library read as they are.
 
-Shards are cut at ``shard_size`` (default 64 MiB): large sequential objects keep object stores
+Shards are cut at ``shard_bytes`` (default 64 MiB): large sequential objects keep object stores
 and parallel filesystems at full speed and keep metadata operations per byte low. A writer fills
 one shard in memory while the shards before it are stored in the background (``in_flight`` at a
 time, each an S3 multipart upload with its parts in parallel), so writing to S3 costs what the
@@ -26,15 +26,11 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
-
-import xxhash
+from typing import Any
 
 from tierio.data.columns import (
-    DEFAULT_WINDOW,
     MAX_WINDOW,
     MIN_WINDOW,
-    Column,
     ColumnLayout,
     FieldType,
     ShardBuilder,
@@ -55,66 +51,31 @@ from tierio.data.tar import (
     iter_tar_samples,
     parse_index,
 )
+from tierio.data.options import DEFAULT_SHARD_SIZE, ShardOptions
+from tierio.data.shardinfo import Container, ShardInfo
 from tierio.data.uploads import BackgroundPuts
 from tierio.errors import ConfigError, FormatError, IntegrityError, NotFoundError
-from tierio.io.checksum import xxh3
+from tierio.io.checksum import StreamingChecksum, xxh3
 from tierio.io.files import os_error
 from tierio.io.untrusted import Fields, check_hex, loads, parser
+from tierio.stats import Stats
 from tierio.storage.base import Store, check_key, read_bytes
-from tierio.units import parse_size
+from tierio.storage.url import as_store
 
 MANIFEST = "index.json"
 FORMAT = "tierio-shards"
 VERSION = 1  # the tar layout (unchanged since the first release, so older readers still read it)
 COLUMNS_VERSION = 2  # the compact container
-DEFAULT_SHARD_SIZE = 64 << 20
 MAX_MANIFEST_BYTES = 64 << 20  # a million shards fit
 MAX_SHARDS = 1 << 22
 MAX_FIELDS = 1 << 10
-Container = Literal["columns", "tar"]
 _FIELD = re.compile(r"[^./\x00]{1,255}")  # a field name is part of a tar member's name
 
 
-def _store(store_or_url: Store | str | Path) -> Store:
-    if isinstance(store_or_url, (str, Path)):
-        from tierio.storage import open_store
-
-        return open_store(store_or_url)
-    return store_or_url
-
-
 @dataclass
-class ShardInfo:
-    """One shard as the manifest lists it. Tar shards name their index file (``index_*``);
-    columns shards carry their layout (``columns``) and a checksum per ``window`` bytes."""
+class ShardManifest(Stats):
+    """A shard dataset's manifest (``index.json``): its fields, shards and sample count."""
 
-    key: str
-    size: int
-    xxh3: str
-    samples: int
-    first_sample: int
-    index_key: str = ""
-    index_size: int = 0
-    index_xxh3: str = ""
-    columns: tuple[Column, ...] = ()
-    window: int = 0
-    windows: tuple[str, ...] = ()
-
-    @property
-    def container(self) -> Container:
-        return "tar" if self.index_key else "columns"
-
-    def to_dict(self) -> dict[str, Any]:
-        head = {"key": self.key, "size": self.size, "xxh3": self.xxh3, "samples": self.samples,
-                "first_sample": self.first_sample}
-        if self.index_key:
-            return {**head, "index_key": self.index_key, "index_size": self.index_size, "index_xxh3": self.index_xxh3}
-        return {**head, "columns": [c.to_json() for c in self.columns], "window": self.window,
-                "windows": list(self.windows)}
-
-
-@dataclass
-class Manifest:
     fields: list[str]
     shards: list[ShardInfo]
     num_samples: int
@@ -137,9 +98,9 @@ class Manifest:
         return ColumnLayout(tuple(self.types), info.columns, info.samples, info.size)
 
 
-def load_manifest(store_or_url: Store | str | Path, where: str | None = None) -> Manifest:
+def load_manifest(store_or_url: Store | str | Path, where: str | None = None) -> ShardManifest:
     """Read and strictly parse a dataset's ``index.json`` (only TierioErrors come out)."""
-    store = _store(store_or_url)
+    store = as_store(store_or_url)
     where = where or store.url
     try:
         size = store.stat(MANIFEST).size
@@ -191,7 +152,7 @@ def _columns_shard(doc: Any, where: str, manifest: str, types: list[FieldType]) 
 
 
 @parser
-def parse_manifest(raw: bytes, where: str) -> Manifest:
+def parse_manifest(raw: bytes, where: str) -> ShardManifest:
     """Strictly parse the bytes of a dataset manifest: typed fields, keys that stay inside the
     dataset, hex digests, and counts consistent with each other and with the declared sizes."""
     doc = Fields(loads(raw, where, limit=MAX_MANIFEST_BYTES), where)
@@ -215,7 +176,7 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         types = [parse_field_type(t, f"{where} type {j}", fields[j]) for j, t in enumerate(declared)]
         shards = [_columns_shard(x, f"{where} shard {i}", where, types) for i, x in enumerate(entries)]
     _check_shard_list(shards, num_samples, where)
-    return Manifest(fields, shards, num_samples, {} if meta is None else meta.doc, xxh3(raw),
+    return ShardManifest(fields, shards, num_samples, {} if meta is None else meta.doc, xxh3(raw),
                     "tar" if version == VERSION else "columns", types)
 
 
@@ -236,33 +197,34 @@ def _check_shard_list(shards: list[ShardInfo], num_samples: int, where: str) -> 
 
 # -- writing ------------------------------------------------------------------------------------
 class ShardWriter:
-    """Write samples (dicts of field -> array) into shards of at least ``shard_size`` bytes.
+    """Write samples (dicts of field -> array) into shards of at least ``shard_bytes`` bytes.
 
-    ``format``: "columns" (default, the compact container) or "tar" (the WebDataset layout).
-    Each finished shard is stored under ``store`` in the background while the next fills, at most
-    ``in_flight`` at a time; ``close()`` waits for them and writes the manifest last. Use as a
-    context manager: on error no manifest is written, so readers never see a half-written dataset.
-    ``window``: bytes per checksum window of a columns shard (a power of two, 64 KiB to 1 GiB).
+    ``options`` (a ShardOptions, keyword overrides on top): ``format`` "columns" (default, the
+    compact container) or "tar" (the WebDataset layout); ``window_bytes`` per checksum window of a
+    columns shard. Each finished shard is stored under ``store`` in the background while the next
+    fills, at most ``in_flight`` at a time; ``close()`` waits for them and writes the manifest last.
+    Use as a context manager: on error no manifest is written, so readers never see a
+    half-written dataset.
     """
 
-    def __init__(
-        self, store: Store | str | Path, fields: Iterable[str], *, shard_size: int | str = DEFAULT_SHARD_SIZE,
-        meta: dict[str, Any] | None = None, format: Container = "columns", window: int = DEFAULT_WINDOW,
-        in_flight: int = 2,
-    ) -> None:
-        self.store = _store(store)
+    def __init__(self, store: Store | str | Path, fields: Iterable[str], *, meta: dict[str, Any] | None = None,
+                 options: ShardOptions | None = None, **overrides: Any) -> None:
+        opts = ShardOptions.resolve(options, overrides)
+        self.options = opts
+        self.store = as_store(store)
         self.fields = list(fields)
         if not self.fields or len(set(self.fields)) != len(self.fields) or not all(
             isinstance(f, str) and _FIELD.fullmatch(f) for f in self.fields
         ):
             raise ConfigError(f"field names must be distinct, 1-255 characters, with no '.', '/' or NUL: {self.fields}")
-        self.shard_size = parse_size(shard_size)
+        self.shard_size = int(opts.shard_bytes)
         if self.shard_size < 1:
-            raise ConfigError("shard_size must be positive")
+            raise ConfigError("shard_bytes must be positive")
+        format, window = opts.format, opts.window_bytes
         if format not in ("columns", "tar"):
             raise ConfigError(f"format must be 'columns' or 'tar', got {format!r}")
         try:
-            check_windows(0, window, [], "window")
+            check_windows(0, window, [], "window")  # type: ignore[arg-type]
         except FormatError:
             raise ConfigError(f"window must be a power of two from {MIN_WINDOW} to {MAX_WINDOW} bytes, got {window!r}") from None
         self.format: Container = format
@@ -273,8 +235,8 @@ class ShardWriter:
         self._builder: ShardBuilder | TarShardBuilder = (
             ShardBuilder(self.fields, self.shard_size) if format == "columns" else TarShardBuilder(self.fields, self.shard_size))
         self._shapes: list[tuple[tuple[int, ...] | None, ...]] = []  # per columns shard: each field's one shape
-        self._puts = BackgroundPuts(self.store, in_flight)
-        self.manifest: Manifest | None = None
+        self._puts = BackgroundPuts(self.store, opts.in_flight)
+        self.manifest: ShardManifest | None = None
 
     def write(self, sample: dict[str, Any]) -> None:
         if self.manifest is not None:
@@ -309,7 +271,7 @@ class ShardWriter:
             self._puts.put(ikey, [index])
             self.shards.append(ShardInfo(key, len(data), xxh3(data), n, first, ikey, len(index), xxh3(index)))
 
-    def close(self) -> Manifest:
+    def close(self) -> ShardManifest:
         if self.manifest is not None:
             return self.manifest
         self._flush()
@@ -327,7 +289,7 @@ class ShardWriter:
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"dataset meta must be plain JSON without NaN or infinity: {exc}") from None
         self.store.put_buffers(MANIFEST, [raw])
-        self.manifest = Manifest(self.fields, self.shards, self.num_samples, self.meta, xxh3(raw), self.format, types)
+        self.manifest = ShardManifest(self.fields, self.shards, self.num_samples, self.meta, xxh3(raw), self.format, types)
         return self.manifest
 
     def abort(self) -> None:
@@ -344,11 +306,12 @@ class ShardWriter:
             self.abort()
 
 
-def write_packed_shards(packed, store: Store | str | Path, *, shard_size: int | str = DEFAULT_SHARD_SIZE,
-                        format: Container = "columns") -> Manifest:
-    """Write every pack of a PackedDataset as a sample {tokens, seqlens} (tokens in the corpus dtype)."""
+def write_packed_shards(packed, store: Store | str | Path, *, options: ShardOptions | None = None,
+                        **overrides: Any) -> ShardManifest:
+    """Write every pack of a PackedDataset as a sample {tokens, seqlens} (tokens in the corpus dtype);
+    ``options``/``overrides`` are the ShardWriter's (``shard_bytes``, ``format``)."""
     meta = {"kind": "packed", "seq_len": packed.plan.seq_len, "algorithm": packed.plan.algorithm, "source": packed.plan.source}
-    with ShardWriter(store, ["tokens", "seqlens"], shard_size=shard_size, meta=meta, format=format) as w:
+    with ShardWriter(store, ["tokens", "seqlens"], meta=meta, options=ShardOptions.resolve(options, overrides)) as w:
         for i in range(len(packed)):
             tokens, lens = packed.pack_tokens(i)
             w.write({"tokens": tokens, "seqlens": lens})
@@ -358,7 +321,7 @@ def write_packed_shards(packed, store: Store | str | Path, *, shard_size: int | 
 def verify_file(path: str | Path, expected: str, size: int, where: str) -> None:
     """Stream a local file through xxh3 and compare (IntegrityError naming ``where``)."""
     p = Path(path)
-    h = xxhash.xxh3_64()
+    h = StreamingChecksum()
     n = 0
     try:
         with open(p, "rb", buffering=0) as f:
@@ -374,13 +337,22 @@ def verify_file(path: str | Path, expected: str, size: int, where: str) -> None:
         raise os_error(exc, p, "verifying") from exc
     if n != size:
         raise IntegrityError(f"{where}: {n} bytes, manifest says {size}; the copy is truncated or wrong")
-    got_hex = f"{h.intdigest():016x}"
+    got_hex = h.hexdigest()
     if got_hex != expected:
         raise IntegrityError(f"{where}: checksum mismatch (expected xxh3 {expected}, got {got_hex}); this copy is corrupt")
 
 
 __all__ = [
-    "COLUMNS_VERSION", "DEFAULT_SHARD_SIZE", "FORMAT", "MANIFEST", "VERSION", "Manifest", "ShardFile", "ShardInfo",
-    "ShardWriter", "check_field", "decode_npy", "encode_npy", "index_row_bytes", "iter_tar_samples", "load_manifest",
+    "COLUMNS_VERSION", "DEFAULT_SHARD_SIZE", "FORMAT", "MANIFEST", "VERSION", "ShardFile", "ShardInfo", "ShardManifest",
+    "ShardOptions", "ShardWriter", "check_field", "decode_npy", "encode_npy", "index_row_bytes", "iter_tar_samples", "load_manifest",
     "parse_index", "parse_manifest", "verify_file", "write_packed_shards",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Manifest":  # renamed: format/ has the checkpoint manifest under that name
+        import warnings
+
+        warnings.warn("tierio.data.shards.Manifest is deprecated, use ShardManifest", DeprecationWarning, stacklevel=2)
+        return ShardManifest
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

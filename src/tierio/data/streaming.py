@@ -36,12 +36,13 @@ import numpy as np
 from tierio.data.cache import ShardCache
 from tierio.data.reader import ReaderBudget, ReaderOptions, ShardReader
 from tierio.data.ring import FieldRing, RingBatch
-from tierio.data.shards import Manifest, load_manifest
+from tierio.data.options import StreamingOptions
+from tierio.data.shards import ShardManifest, load_manifest
 from tierio.data.workers import current_worker
 from tierio.dist import rank_world
 from tierio.errors import ConfigError, FormatError
 from tierio.storage.base import Store
-from tierio.units import parse_size
+from tierio.storage.url import as_store
 
 log = logging.getLogger(__name__)
 
@@ -140,12 +141,15 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
     """Iterate the samples of a shard dataset at ``url`` through a local cache.
 
     url: any store URL holding ``index.json`` + shards (``s3://...``, ``file:///...``, a path).
+    options: a StreamingOptions; keyword ``overrides`` (any of its fields) apply on top, and
+    ``cache_dir`` and ``cache_limit_bytes`` may also come as the second and third argument:
+
     cache_dir: local directory for verified shard copies (shared by all workers and ranks of a
         node). ``None`` reads a local store's shards in place (no copy, no cache).
-    cache_limit: bytes the cache may hold ("64GiB"); must exceed the largest shard. A reader never
-        waits on its own pins: the shards it holds open (at most ``max_open_shards``) and prefetches
-        are sized so that, with one more download, they fit its share of the limit (the limit
-        divided among the DataLoader workers and the node's ranks, ``LOCAL_WORLD_SIZE``).
+    cache_limit_bytes: bytes the cache may hold ("64GiB"); must exceed the largest shard. A reader
+        never waits on its own pins: the shards it holds open (at most ``max_open_shards``) and
+        prefetches are sized so that, with one more download, they fit its share of the limit (the
+        limit divided among the DataLoader workers and the node's ranks, ``LOCAL_WORLD_SIZE``).
     batch_size: the batch size; ``iter_batches`` yields batches of it, and DataLoader workers
         interleave whole batches (see module doc).
     transform: applied to each sample (a dict of field -> numpy array) when iterating samples.
@@ -154,39 +158,26 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         samples is a view).
     """
 
-    def __init__(
-        self,
-        url: str | Path | Store,
-        cache_dir: str | Path | None = None,
-        cache_limit: int | str = "64GiB",
-        *,
-        shuffle: bool = True,
-        seed: int = 0,
-        shuffle_buffer: int = 4096,
-        rank: int | None = None,
-        world_size: int | None = None,
-        batch_size: int = 1,
-        prefetch: int = 2,
-        transform: Callable[[dict[str, np.ndarray]], Any] | None = None,
-        wait_timeout: float = 60.0,
-        max_open_shards: int = 4,
-        copy: bool = True,
-    ) -> None:
-        from tierio.storage import open_store
-
-        self.store = url if not isinstance(url, (str, Path)) else open_store(url)
+    def __init__(self, url: str | Path | Store, cache_dir: str | Path | None = None,
+                 cache_limit_bytes: int | str | None = None, *, options: StreamingOptions | None = None,
+                 **overrides: Any) -> None:
+        given = {k: v for k, v in (("cache_dir", cache_dir), ("cache_limit_bytes", cache_limit_bytes)) if v is not None}
+        opts = StreamingOptions.resolve(options, {**given, **overrides})
+        self.options = opts
+        self.store = as_store(url)
         self.url = self.store.url
-        self.manifest: Manifest = load_manifest(self.store, self.url)
-        rank, world_size = rank_world(rank, world_size)
-        if batch_size < 1:
-            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        self.manifest: ShardManifest = load_manifest(self.store, self.url)
+        rank, world_size = rank_world(opts.rank, opts.world_size)
+        if opts.batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {opts.batch_size}")
         self.rank, self.world_size = rank, world_size
-        self.shuffle, self.seed, self.shuffle_buffer = shuffle, int(seed), int(shuffle_buffer)
-        self.batch_size = batch_size
-        self.transform = transform
-        self.copy = copy
-        self.options = ReaderOptions(None if cache_dir is None else Path(cache_dir), parse_size(cache_limit),
-                                     wait_timeout, max(1, max_open_shards), max(0, prefetch))
+        self.shuffle, self.seed, self.shuffle_buffer = opts.shuffle, int(opts.seed), int(opts.shuffle_buffer)
+        self.batch_size = opts.batch_size
+        self.transform = opts.transform
+        self.copy = opts.copy
+        self.reader_options = ReaderOptions(None if opts.cache_dir is None else Path(opts.cache_dir),
+                                            int(opts.cache_limit_bytes), opts.wait_timeout,
+                                            max(1, opts.max_open_shards), max(0, opts.prefetch))
         self.samples_per_rank = self.manifest.num_samples // world_size
         self._counts = np.asarray([s.samples for s in self.manifest.shards], dtype=np.int64)
         # position bookkeeping: what the next __iter__ will produce, and what this process consumed
@@ -201,7 +192,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         # with the fork start method workers inherit this object without pickling: the pid
         # tells a worker to start its own runtime instead of using the parent's threads/files
         self._pid = os.getpid()
-        self._reader = ShardReader(self.store, self.manifest, self.options)
+        self._reader = ShardReader(self.store, self.manifest, self.reader_options)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -216,9 +207,7 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
 
     @staticmethod
     def _open_store(url: str) -> Store:
-        from tierio.storage import open_store
-
-        return open_store(url)
+        return as_store(url)
 
     def __len__(self) -> int:
         return self.samples_per_rank
@@ -230,11 +219,14 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
 
     @property
     def cache_dir(self) -> Path | None:
-        return self.options.cache_dir
+        return self.reader_options.cache_dir
 
     @property
-    def cache_limit(self) -> int:
-        return self.options.cache_limit
+    def cache_limit_bytes(self) -> int:
+        return self.reader_options.cache_limit
+
+    # the earlier name of cache_limit_bytes, kept for readers of the attribute
+    cache_limit = cache_limit_bytes
 
     @property
     def _budget(self) -> ReaderBudget:

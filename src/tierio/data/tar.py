@@ -25,19 +25,16 @@ import tokenize
 from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-import xxhash
 
+from tierio.data.shardinfo import ShardInfo
 from tierio.errors import ConfigError, FormatError, IntegrityError
-from tierio.io.checksum import xxh3
+from tierio.io.checksum import StreamingChecksum, xxh3
 from tierio.io.files import map_readonly, os_error
 from tierio.io.paths import open_regular
 from tierio.io.untrusted import MAX_COUNT, PARSE_ERRORS, parser, parsing
-
-if TYPE_CHECKING:
-    from tierio.data.shards import ShardInfo
 
 TAR_HEADER = 512  # every field of every sample is a tar member behind its own 512-byte header
 NPY_HEADER_MAX = 10_000  # numpy's own limit on the header of a .npy it will read
@@ -163,7 +160,7 @@ class TarShardBuilder:
             raise ConfigError(f"sample {number} lacks field(s) {missing}")
         key = f"{number:012d}"
         row: list[int] = []
-        h = xxhash.xxh3_64()
+        h = StreamingChecksum()
         for f in self.fields:
             payload = encode_npy(np.asarray(sample[f]))
             info = tarfile.TarInfo(f"{key}.{f}.npy")
