@@ -31,7 +31,7 @@ N = 400
 
 
 def _write(url: str, n: int = N, shard_size: int = 16384, format: str = "tar"):
-    with ShardWriter(url, ["x", "pad"], shard_size=shard_size, format=format) as w:
+    with ShardWriter(url, ["x", "pad"], shard_bytes=shard_size, format=format) as w:
         for i in range(n):
             w.write({"x": np.array([i, (i * i) % 97], np.int64), "pad": np.zeros(16, np.uint8)})
     return w.manifest

@@ -211,7 +211,7 @@ def test_hostile_hf_index_is_a_format_error(tmp_path, index, match):
 
 # -- shard datasets: index.json, .idx.npy, .npy fields -----------------------------------------
 def _dataset(url: str, n: int = 40, format: str = "tar") -> None:
-    with ShardWriter(url, ["x"], shard_size=4096, format=format) as w:
+    with ShardWriter(url, ["x"], shard_bytes=4096, format=format) as w:
         for i in range(n):
             w.write({"x": np.array([i, i * i], np.int64)})
 

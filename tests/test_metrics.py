@@ -227,7 +227,7 @@ def test_stateful_loader_and_shard_cache_report_in_process(tmp_path: Path, expor
     from tierio.data.streaming import StreamingDataset
 
     url = f"file://{tmp_path / 'remote'}"
-    with ShardWriter(url, ["x"], shard_size=256) as w:
+    with ShardWriter(url, ["x"], shard_bytes=256) as w:
         for i in range(96):
             w.write({"x": np.array([i], np.int64)})
     loader = StatefulLoader(StreamingDataset(url, tmp_path / "cache", "4MiB", seed=1, batch_size=8), 8, num_workers=0)

@@ -30,12 +30,12 @@ from typing import Any
 
 from tierio.errors import FormatError, IntegrityError, LeaseError, NotFoundError, StorageError, TierioError
 from tierio.format.manifest import (
-    INCREMENTAL_FIELD, Manifest, RankEntry, RecordRef, encode_record, parse_manifest, parse_record, utc_now,
+    INCREMENTAL_FIELD, MAX_MANIFEST_BYTES, Manifest, RankEntry, RecordRef, encode_record, parse_manifest, parse_record, utc_now,
 )
 from tierio.format.shard import manifest_key, parse_record_name, record_name, shard_name, step_dir, step_key
 from tierio.io.checksum import xxh3
 from tierio.io.engine import run_windows
-from tierio.storage.base import Store, list_sizes, read_bytes
+from tierio.storage.base import Store, list_sizes, read_bytes, where
 
 from tierio.ckpt.lease import GENERATION_FIELD
 
@@ -54,8 +54,13 @@ class Waiting:
     most: float = 0.25
 
 
-def where(store: Store, key: str) -> str:
-    return f"{store.url.split('?')[0].rstrip('/')}/{key}"
+def read_manifest_bytes(store: Store, step: int) -> bytes:
+    """A step's manifest bytes, refused above MAX_MANIFEST_BYTES from the stat, before any read."""
+    key = manifest_key(step)
+    size = store.stat(key).size
+    if size > MAX_MANIFEST_BYTES:
+        raise FormatError(f"{where(store, key)} is {size} bytes, above the {MAX_MANIFEST_BYTES}-byte limit; it is corrupt or hostile")
+    return read_bytes(store, key, 0, size)
 
 
 def poll_until(ready: Callable[[], bool], what: Callable[[], str], wait: Waiting) -> None:
@@ -87,7 +92,6 @@ def same_entry(committed: RankEntry, mine: RankEntry, ref: RecordRef | None) -> 
 
 def await_commit(store: Store, step: int, mine: RankEntry, ref: RecordRef | None, wait: Waiting) -> Manifest:
     """Step 4 (ranks other than the committer): wait until the manifest describes ``mine``."""
-    from tierio.ckpt.reader import read_manifest_bytes  # here: ckpt.reader imports this module
 
     key = manifest_key(step)
     seen: list[str] = []

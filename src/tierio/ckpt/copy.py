@@ -12,12 +12,12 @@ from tierio.format.shard import step_dir, step_key
 from tierio.io.buffers import BufferPool
 from tierio.io.checksum import xxh3
 from tierio.io.limiter import TokenBucket
-from tierio.storage.base import Store, list_sizes, read_bytes
+from tierio.storage.base import Store, list_sizes, read_bytes, where
 from tierio.stats import Stats
 
 from tierio.ckpt.commit import Fence, put_manifest, read_record
 from tierio.ckpt.lineage import manifest_on
-from tierio.ckpt.reader import read_manifest_raw, where
+from tierio.ckpt.reader import read_manifest_raw
 
 
 @dataclass

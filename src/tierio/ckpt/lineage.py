@@ -26,7 +26,8 @@ from tierio.io.untrusted import Fields
 from tierio.storage.base import Store
 
 from tierio.ckpt.gc import delete_step
-from tierio.ckpt.reader import committed_steps, read_manifest_bytes, step_dirs
+from tierio.ckpt.commit import read_manifest_bytes
+from tierio.ckpt.reader import committed_steps, step_dirs
 
 log = logging.getLogger("tierio.ckpt")
 

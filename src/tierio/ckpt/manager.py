@@ -66,7 +66,8 @@ from tierio.ckpt.reader import VerifyReport, committed_steps, read_manifest, ver
 from tierio.ckpt import recovery
 from tierio.ckpt.restore import Source
 from tierio.ckpt.retention import wanted
-from tierio.ckpt.saving import SaveHandle, Staged, Stager, check_space, check_tiers, to_write
+from tierio.ckpt.saving import SaveHandle, Staged, check_space, check_tiers, to_write
+from tierio.ckpt.stage import Stager
 from tierio.ckpt.tier import Tier, TierState, as_tier, open_tier_store
 
 log = logging.getLogger("tierio.ckpt")

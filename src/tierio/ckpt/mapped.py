@@ -36,8 +36,8 @@ from tierio.io.checksum import verify as verify_checksum
 from tierio.io.mapping import FileMapping, page_start, populate_windows
 from tierio.storage.local import LocalStore
 from tierio.units import MiB
+from tierio.storage.base import where
 
-from tierio.ckpt.commit import where
 from tierio.ckpt.reader import check_shard
 from tierio.ckpt.refs import no_good_copy
 from tierio.ckpt.reshard import Stored, Target, contiguous_at, cover

@@ -41,10 +41,11 @@ from typing import Any
 
 import torch
 
-from tierio.ckpt.saving import Stager
 from tierio.errors import SnapshotChangedError
 from tierio.format.shard import ShardLayout
 from tierio.io.buffers import HostBuffer
+
+from tierio.ckpt.stage import Stager
 
 SYNC_BYTES = 64 << 10  # host tensors up to this size are copied in save() itself
 

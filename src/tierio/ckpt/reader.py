@@ -9,15 +9,15 @@ import logging
 from dataclasses import dataclass, field
 
 from tierio.errors import FormatError, IntegrityError, NotFoundError, StorageError, TierioError
-from tierio.format.manifest import MAX_MANIFEST_BYTES, Manifest, RankEntry, file_key, parse_manifest
+from tierio.format.manifest import Manifest, RankEntry, file_key, parse_manifest
 from tierio.format.safetensors import read_header_from
 from tierio.format.shard import manifest_key, parse_step_dir, step_dir
 from tierio.io.buffers import HostBuffer
 from tierio.io.checksum import xxh3
-from tierio.storage.base import Store, read_bytes
+from tierio.storage.base import Store, read_bytes, where
 from tierio.stats import Stats
 
-from tierio.ckpt.commit import read_record, where
+from tierio.ckpt.commit import read_manifest_bytes, read_record
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +45,6 @@ def committed_steps(store: Store) -> list[int]:
 def commit_times(store: Store, steps: list[int]) -> dict[int, float]:
     """When each step was committed (its manifest's mtime), as retention wants them."""
     return {s: store.stat(manifest_key(s)).mtime for s in steps}
-
-
-def read_manifest_bytes(store: Store, step: int) -> bytes:
-    key = manifest_key(step)
-    size = store.stat(key).size
-    if size > MAX_MANIFEST_BYTES:
-        raise FormatError(f"{where(store, key)} is {size} bytes, above the {MAX_MANIFEST_BYTES}-byte limit; it is corrupt or hostile")
-    return read_bytes(store, key, 0, size)
 
 
 def read_manifest_raw(store: Store, step: int) -> tuple[bytes, Manifest]:

@@ -43,8 +43,9 @@ from tierio.io.buffers import align_up
 from tierio.io.mapping import Arena
 from tierio.io.untrusted import parsing
 from tierio.stats import Stats
+from tierio.storage.base import where
 
-from tierio.ckpt.commit import read_record, where
+from tierio.ckpt.commit import read_record
 from tierio.ckpt.mapped import map_all, placed
 from tierio.ckpt.reader import check_shard
 from tierio.ckpt.refs import no_good_copy

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tierio.errors import ConfigError, DiskFullError
-from tierio.format.shard import Placement, ShardBytes, ShardLayout, stage_into
+from tierio.format.shard import Placement, ShardBytes, ShardLayout
 from tierio.format.statetree import FlatState
 from tierio.io.buffers import HostBuffer
 from tierio.units import human_bytes
@@ -113,32 +113,6 @@ def to_write(flat: FlatState) -> tuple[dict[str, torch.Tensor], dict[str, Placem
             tensors[name] = leaf.local
             places[name] = Placement(leaf.box.offsets, leaf.shape)
     return tensors, places
-
-
-class Stager:
-    """Copies tensors into staging buffers: CPU tensors with torch's parallel copy, CUDA tensors on
-    a side stream (one per manager, made on first use)."""
-
-    def __init__(self) -> None:
-        self._stream = None
-
-    def stage(self, layout: ShardLayout, tensors: dict[str, torch.Tensor], buf: HostBuffer,
-              names: Collection[str] | None = None, header: bool = True, after: Any = None) -> None:
-        """Stage ``names`` (default all) and the header. A device copy starts after ``after`` (a CUDA
-        event recorded where the tensors were produced; default: the calling thread's stream)."""
-        stream = None
-        if any(t.is_cuda for n, t in tensors.items() if names is None or n in names) and torch.cuda.is_available():
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()
-            stream = self._stream
-            if after is not None:
-                stream.wait_event(after)
-            else:
-                stream.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad():
-            stage_into(layout, tensors, buf.tensor(), stream, names, header)
-        if stream is not None:
-            stream.synchronize()
 
 
 def check_space(ts: TierState, need: int, step: int, rank: int) -> None:

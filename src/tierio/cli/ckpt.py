@@ -321,7 +321,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_promote(args: argparse.Namespace) -> int:
     from tierio.ckpt import promote
     from tierio.ckpt.lineage import same_copy
-    from tierio.ckpt.reader import committed_steps, read_manifest_bytes
+    from tierio.ckpt.commit import read_manifest_bytes
+    from tierio.ckpt.reader import committed_steps
     from tierio.format.shard import manifest_key
 
     if args.step is not None and args.all:
