@@ -22,9 +22,9 @@ from tierio.ckpt import CheckpointManager, list_checkpoints, unlock, verify
 from tierio.ckpt import lease as lease_mod
 from tierio.ckpt.commit import put_manifest
 from tierio.ckpt.lease import (
-    GENERATION_FIELD, LEASE_PREFIX, Holder, LeaseTiming, TierLeases, acquire, check_conditions, generation_key,
-    look, read_lease,
+    GENERATION_FIELD, LEASE_PREFIX, Holder, LeaseTiming, acquire, check_conditions, generation_key, look, read_lease,
 )
+from tierio.ckpt.tier_leases import TierLeases
 from tierio.cli.main import main
 from tierio.errors import ConfigError, LeaseError
 from tierio.storage import LocalStore, open_store

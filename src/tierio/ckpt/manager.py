@@ -55,7 +55,8 @@ from tierio.ckpt.fill import fill_after_restore
 from tierio.ckpt.interval import IntervalPlan, check_mtbf, measured_cost, optimal_interval, save_due
 from tierio.ckpt.gc import TEMP_GRACE, GcOptions, GcTier, collect
 from tierio.ckpt.incremental import Base, diff
-from tierio.ckpt.lease import LeaseTiming, TierLeases
+from tierio.ckpt.lease import LeaseTiming
+from tierio.ckpt.tier_leases import TierLeases
 from tierio.ckpt.lineage import Lineage, Rollback
 from tierio.ckpt.buddy import Buddy, agree as agree_node_copies
 from tierio.ckpt.nodes import agree_job, gather, group_joined

@@ -30,7 +30,7 @@ from tierio.storage.base import Store, list_sizes
 
 from tierio.ckpt.commit import CommitPlan, Fence, Waiting, await_commit, build_manifest, commit, commit_step, poll_until, write_record
 from tierio.ckpt.copy import CopyStats, commit_copy, copy_rank, copy_shard, files_present
-from tierio.ckpt.lease import TierLeases
+from tierio.ckpt.tier_leases import TierLeases
 from tierio.ckpt.lineage import Lineage, Rollback, manifest_on
 from tierio.ckpt.nodes import NodeLayout
 from tierio.ckpt.reader import read_manifest_raw
