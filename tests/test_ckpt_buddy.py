@@ -215,7 +215,7 @@ def test_a_copy_is_checked_against_its_record_before_it_is_kept(tmp_path):
 
 
 def test_a_step_is_restorable_from_node_copies_only_when_every_rank_has_a_part(tmp_path):
-    from tierio.ckpt.buddy import Part, plan_steps
+    from tierio.ckpt.buddy_restore import Part, plan_steps
 
     def own(r: int, step: int, token: str = "aa") -> Part:
         return Part(r, step, token, f"step_{step:09d}/rank_{r:05d}.{token}.{'0' * 16}.json", r)

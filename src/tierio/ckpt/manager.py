@@ -58,7 +58,8 @@ from tierio.ckpt.incremental import Base, diff
 from tierio.ckpt.lease import LeaseTiming
 from tierio.ckpt.tier_leases import TierLeases
 from tierio.ckpt.lineage import Lineage, Rollback
-from tierio.ckpt.buddy import Buddy, agree as agree_node_copies
+from tierio.ckpt.buddy import Buddy
+from tierio.ckpt.buddy_restore import agree as agree_node_copies
 from tierio.ckpt.nodes import agree_job, gather, group_joined
 from tierio.ckpt.options import CheckpointOptions
 from tierio.ckpt.overlap import Overlap

@@ -24,7 +24,7 @@ from tierio import events
 from tierio.errors import ConfigError, DanglingReferenceError, FormatError, IntegrityError, NotFoundError, StorageError
 from tierio.format.shard import manifest_key, shard_name
 
-from tierio.ckpt.buddy import NodeCopies
+from tierio.ckpt.buddy_restore import NodeCopies
 from tierio.ckpt.nodes import gather
 from tierio.ckpt.reader import read_manifest
 from tierio.ckpt.restore import RestoreStats, Source, load_state, own_rank
