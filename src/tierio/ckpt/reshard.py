@@ -17,7 +17,7 @@ A chunk whose destination O_DIRECT cannot land in (its address and file offset d
 is read, so on a store that can prefetch (a local directory) those chunks are asked for ahead, all
 at once (up to ``AHEAD`` bytes beyond the reads): the device gets a deep queue instead of one
 readahead window per read (a 4 -> 2 rank FSDP2 restore of 2 GiB, page cache dropped: 12-26% off
-the median in three of four alternated sets on a loaded machine; docs/benchmarks.md).
+the median in three of four alternated sets on a loaded machine; docs/history/cluster.md).
 """
 
 from __future__ import annotations
