@@ -5,11 +5,13 @@ no public name that means two things in two capabilities."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import importlib
 import inspect
 import re
+import typing
 import warnings
 
 import pytest
@@ -34,6 +36,13 @@ def unitless_size(name: str, annotation: object) -> bool:
     text = str(annotation)
     return name not in COUNTS and bool(UNITLESS_SIZE.search(name)) and "float" not in text and "bool" not in text
 REPORT_SUFFIXES = ("Stats", "Report", "Info", "Result")
+# Capabilities whose entry points do not follow the convention yet: their checks are expected to
+# fail (strict, so the mark must go the day they pass). weights.load/load_into take LoadOptions next.
+NOT_YET = {"weights"}
+
+
+def pending(cap: str) -> list:
+    return [pytest.mark.xfail(strict=True, reason=f"tierio.{cap} does not follow the convention yet")] if cap in NOT_YET else []
 
 
 def public(cap: str) -> list[tuple[str, object]]:
@@ -57,20 +66,31 @@ def call_params(obj: object) -> list[inspect.Parameter]:
             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in OPTION_PARAMS]
 
 
-def callables() -> list[tuple[str, str, object]]:
+def callables(fails: typing.Callable[[object], bool]) -> list:
+    """Every public call, as test params; one that ``fails`` in a capability of NOT_YET is expected to."""
     out = []
     for cap, name, obj in everything():
-        if is_record(obj) or (isinstance(obj, type) and issubclass(obj, (enum.Enum, Exception))):
-            continue
+        if is_record(obj) or isinstance(obj, typing.NewType) or (
+                isinstance(obj, type) and issubclass(obj, (enum.Enum, Exception))):
+            continue  # data, a named value type (kv's BlockKey) or an enum: not a call with knobs
         if isinstance(obj, type) and (obj.__init__ is object.__init__ or obj.__module__ == "builtins"
                                       or any(b.__module__ == "builtins" and b is not object for b in obj.__mro__[1:])):
             continue  # no constructor of its own, or a value type such as a bytes key
         if callable(obj):
-            out.append((cap, name, obj))
+            out.append(pytest.param(cap, name, obj, id=f"{cap}.{name}", marks=pending(cap) if fails(obj) else []))
     return out
 
 
-@pytest.mark.parametrize("cap,name,obj", callables(), ids=lambda v: v if isinstance(v, str) else "")
+def too_many(obj: object) -> bool:
+    return len(call_params(obj)) > MAX_PARAMS
+
+
+def unitless_or_int_only(obj: object) -> bool:
+    return any(unitless_size(p.name, p.annotation) or (p.name.endswith("_bytes") and "str" not in str(p.annotation))
+               for p in call_params(obj))
+
+
+@pytest.mark.parametrize("cap,name,obj", callables(too_many))
 def test_calls_take_few_parameters_beyond_options(cap, name, obj):
     params = call_params(obj)
     assert len(params) <= MAX_PARAMS, (
@@ -78,7 +98,7 @@ def test_calls_take_few_parameters_beyond_options(cap, name, obj):
         f"({', '.join(p.name for p in params)}); move the knobs into an options dataclass")
 
 
-@pytest.mark.parametrize("cap,name,obj", callables(), ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize("cap,name,obj", callables(unitless_or_int_only))
 def test_call_sizes_are_bytes_and_take_text(cap, name, obj):
     for p in call_params(obj):
         assert not unitless_size(p.name, p.annotation), f"tierio.{cap}.{name}({p.name}=…): name sizes *_bytes"
@@ -91,6 +111,7 @@ def options_classes() -> list[tuple[str, str, type]]:
             if isinstance(obj, type) and issubclass(obj, Options)]
 
 
+@pytest.mark.xfail(bool(NOT_YET), strict=True, reason="weights has no options class yet")
 def test_every_capability_has_an_options_class():
     have = {cap for cap, _, _ in options_classes()}
     assert have == set(CAPABILITIES), f"no Options subclass exported by {sorted(set(CAPABILITIES) - have)}"
@@ -101,7 +122,12 @@ def test_option_sizes_take_text(cap, name, cls):
     for f in dataclasses.fields(cls):
         assert not unitless_size(f.name, f.type), f"{name}.{f.name}: name sizes *_bytes"
         if f.name.endswith("_bytes"):
-            opts = cls().with_overrides({f.name: "64KiB"})
+            assert "str" in str(f.type), f"{name}.{f.name} must be declared to take text such as '64KiB'"
+            # The parsing Options does for every *_bytes field (apart from the class's own checks,
+            # which may want other fields set with it).
+            opts = copy.copy(cls())
+            object.__setattr__(opts, f.name, "64KiB")
+            Options.__post_init__(opts)
             assert getattr(opts, f.name) == 64 * 1024, f"{name}.{f.name}='64KiB' was not read as 65536"
 
 
@@ -117,10 +143,19 @@ def test_options_refuse_unknown_and_map_old_names(cap, name, cls):
             assert getattr(cls().with_overrides({old: value}), new) == value
 
 
-def test_reports_have_to_dict():
+def test_reports_have_to_dict_where_the_convention_holds():
     for cap, name, obj in everything():
+        if cap in NOT_YET:
+            continue
         if isinstance(obj, type) and name.endswith(REPORT_SUFFIXES):
             assert callable(getattr(obj, "to_dict", None)), f"tierio.{cap}.{name} has no to_dict()"
+
+
+@pytest.mark.xfail(bool(NOT_YET), strict=True, reason="weights reports have no to_dict yet")
+def test_reports_of_pending_capabilities_lack_to_dict():
+    missing = [name for cap, name, obj in everything() if cap in NOT_YET and isinstance(obj, type)
+               and name.endswith(REPORT_SUFFIXES) and not callable(getattr(obj, "to_dict", None))]
+    assert not missing, f"no to_dict(): {missing}"
 
 
 def test_background_work_is_a_handle():

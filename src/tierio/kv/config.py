@@ -50,19 +50,19 @@ class KVConfig(Options):
     back without a valid one is a miss (counted in ``unauthenticated``), so whoever can write the
     bucket but lacks the secret cannot serve other nodes wrong KV."""
 
-    dram_bytes: int = 1 << 30
+    dram_bytes: int | str = 1 << 30
     nvme_dir: str | Path | None = None
-    nvme_bytes: int = 0
+    nvme_bytes: int | str = 0
     shared_url: str | None = None
-    slab_bytes: int = 1 << 30
+    slab_bytes: int | str = 1 << 30
     watermarks: Watermarks = field(default_factory=Watermarks)
     admit_uses: int = 2
     depth: int = 8
-    piece_bytes: int = 8 * MiB
+    piece_bytes: int | str = 8 * MiB
     io_timeout_s: float = 30.0
     persist_on_close: bool = True
     fetch_latency_s: float = 200e-6
-    device_bytes: int = 0
+    device_bytes: int | str = 0
     device: str | None = None
     shared_secret: str | bytes | None = field(default=None, repr=False)
 
