@@ -36,8 +36,10 @@ import re
 import stat
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,11 +53,13 @@ from tierio.io.direct import open_file, pwrite_all
 from tierio.io.paths import open_beneath
 from tierio.io.untrusted import Fields, check_hex, check_str, read_json_file
 from tierio.storage.base import check_key, list_sizes, read_bytes
+from tierio.stats import Stats
 from tierio.storage.cache import CacheOptions, FillPlan, NodeCache, entry_name, make_parents
 from tierio.weights import engine
 from tierio.weights.engine import Hook, Progress
-from tierio.weights.loader import LoadOptions, LoadStats, Timer, as_device, load_resolved
+from tierio.weights.loader import LoadStats, ReadSpec, Timer, as_device, load_resolved
 from tierio.weights.sources import ModelSource, Shard, resolve
+from tierio.units import parse_size
 
 log = logging.getLogger(__name__)
 RECORD = ".tierio-cache.json"
@@ -76,7 +80,7 @@ MAX_COMPANION_BYTES = 256 << 20  # the largest tokenizers are tens of MB; anythi
 
 
 @dataclass
-class CacheEntry:
+class CacheEntry(Stats):
     name: str
     source: str  # empty when the entry's record cannot be read
     bytes: int
@@ -282,7 +286,7 @@ class _ShardWriter:
 class CacheLoad:
     """A load through the cache: the load options, and how a hit is verified ("size" or "full")."""
 
-    options: LoadOptions
+    options: ReadSpec
     verify: str = "size"
 
     @property
@@ -453,9 +457,17 @@ class WeightCache:
     ``wait_timeout``: seconds a fill waits for room while every model it could evict is being
     loaded by some process (default 0: fail at once, naming the models in use)."""
 
-    def __init__(self, root: str | Path, max_bytes: int, *, check_source: bool = True, chunk_size: int = engine.DEFAULT_CHUNK,
-                 depth: int = 16, wait_timeout: float = 0.0) -> None:
-        if max_bytes <= 0:
+    def __init__(self, root: str | Path, max_bytes: int | str | None, *, check_source: bool = True,
+                 chunk_bytes: int | str = engine.DEFAULT_CHUNK, depth: int = 16, wait_timeout: float = 0.0,
+                 **deprecated: Any) -> None:
+        if "chunk_size" in deprecated:  # the old name, one release
+            warnings.warn("WeightCache: 'chunk_size' is deprecated, use 'chunk_bytes'", DeprecationWarning, stacklevel=2)
+            chunk_bytes = deprecated.pop("chunk_size")
+        if deprecated:
+            raise TypeError(f"WeightCache got unexpected keyword argument(s) {', '.join(sorted(deprecated))}")
+        max_bytes = parse_size(max_bytes) if isinstance(max_bytes, str) else max_bytes
+        chunk_size = parse_size(chunk_bytes) if isinstance(chunk_bytes, str) else chunk_bytes
+        if max_bytes is None or max_bytes <= 0:
             raise ConfigError(f"WeightCache max_bytes must be positive, got {max_bytes}")
         if chunk_size <= 0 or chunk_size % SUM_WINDOW:
             raise ConfigError(f"WeightCache chunk_size must be a positive multiple of 2 MiB (a checksum window), got {chunk_size}")
@@ -515,7 +527,7 @@ class WeightCache:
         if verify not in ("size", "full"):
             raise ConfigError(f"verify must be 'size' or 'full', got {verify!r}")
         stats = stats if stats is not None else LoadStats()
-        opts = LoadOptions(as_device(device), dtype, list(keys) if keys is not None else None, mapped=mapped,
+        opts = ReadSpec(as_device(device), dtype, list(keys) if keys is not None else None, mapped=mapped,
                            chunk_size=self.chunk_size, depth=self.depth)
         with Timer(stats):
             _, out = self._through(_Request(self, str(url), CacheLoad(opts, verify), stats, progress))
