@@ -34,7 +34,6 @@ import logging
 import os
 import re
 import stat
-import threading
 import time
 import warnings
 from dataclasses import dataclass, field, replace
@@ -44,16 +43,14 @@ from typing import Any
 import torch
 
 from tierio.errors import ConfigError, FormatError, IntegrityError, NotFoundError, StoreUnavailableError, os_error
-from tierio.io import pagecache
-from tierio.io.buffers import ALIGN, align_up
 from tierio.io.checksum import xxh3
 from tierio.format.shard import MANIFEST, parse_record_name
 from tierio.io.durable import fsync_tree, write_new_synced
-from tierio.io.direct import open_file, pwrite_all
 from tierio.io.paths import open_beneath
 from tierio.io.untrusted import Fields, check_hex, check_str, read_json_file
 from tierio.storage.base import check_key, list_sizes, read_bytes
 from tierio.stats import Stats
+from tierio.storage.download import WindowWriter
 from tierio.storage.cache import CacheOptions, FillPlan, NodeCache, entry_name, make_parents
 from tierio.weights import engine
 from tierio.weights.engine import Hook, Progress
@@ -236,51 +233,6 @@ def check_listing(src: ModelSource) -> None:
         raise NotFoundError(f"{src.url} holds no tensor files to cache")
 
 
-# -- writing shards ------------------------------------------------------------------------------
-class _ShardWriter:
-    """Receives windows of one shard (in any order) and writes them to the cache file.
-
-    With ``prefetch`` each written window is then read back into the page cache in the background
-    (see io.pagecache.prefetch), so the file is resident, ready to be mapped, when the download ends."""
-
-    def __init__(self, shard: Shard, path: Path, prefetch: bool = False) -> None:
-        self.shard, self.path, self.prefetch = shard, path, prefetch
-        self.fd, self.direct = open_file(path, write=True, direct=True)
-        self.sums: dict[int, str] = {}
-        self.written = 0
-        self._lock = threading.Lock()
-
-    def write(self, offset: int, view: memoryview, n: int) -> None:
-        digest = xxh3(view[:n])
-        data = view[: align_up(n)] if self.direct and offset % ALIGN == 0 else view[:n]
-        if self.direct and len(data) % ALIGN:  # cannot happen with aligned windows; stay safe
-            raise IntegrityError(f"unaligned window at {offset} for {self.path}")
-        pwrite_all(self.fd, data, offset, self.path)
-        if self.prefetch and self.direct:  # buffered writes left the bytes in the page cache already
-            try:
-                pagecache.prefetch(self.fd, offset, n)
-            except OSError as exc:
-                raise os_error(exc, self.path, "reading back cache file") from exc
-        with self._lock:
-            self.sums[offset] = digest
-            self.written += n
-
-    def close(self) -> None:
-        try:
-            os.ftruncate(self.fd, self.shard.size)  # drop the O_DIRECT padding of the last window
-            os.fsync(self.fd)
-        except OSError as exc:
-            raise os_error(exc, self.path, "finishing cache file") from exc
-        finally:
-            os.close(self.fd)
-
-    def abort(self) -> None:
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
-
-
 # -- one request through the cache ----------------------------------------------------------------
 @dataclass(frozen=True)
 class CacheLoad:
@@ -357,14 +309,14 @@ class _Request:
         """The fill: companion files first, then every shard through its writer."""
         assert self.src is not None
         self._files = self._copy_companions(target)
-        writers = {id(s): _ShardWriter(s, make_parents(target, s.key, self.src.url),
+        writers = {id(s): WindowWriter(make_parents(target, s.key, self.src.url), direct=True,
                                        prefetch=self.load is not None and self.load.maps_after_fill)
                    for s in self.src.shards}
         try:
             self._download(writers)
             for s in self.src.shards:
                 w = writers.pop(id(s))
-                w.close()
+                w.close(s.size)  # drop the O_DIRECT padding of the last window
                 if w.written != s.size:
                     raise IntegrityError(f"cache copy of {s.where} got {w.written} of {s.size} bytes")
                 self._files[s.key] = FileRecord(s.size, s.mtime, dict(sorted(w.sums.items())))
@@ -383,7 +335,7 @@ class _Request:
             out[key] = FileRecord(size)
         return out
 
-    def _download(self, writers: dict[int, _ShardWriter]) -> None:
+    def _download(self, writers: dict[int, WindowWriter]) -> None:
         src, cache, stats = self.src, self.cache, self.stats
         assert src is not None
 
