@@ -251,3 +251,24 @@ def test_a_forked_child_does_not_keep_its_parents_pins(tmp_path):
     finally:
         go.set()
         child.join(60)
+
+
+def test_verified_download_checks_every_window_and_records_its_xxh3(tmp_path):
+    from tierio.errors import IntegrityError
+    from tierio.io.buffers import BufferPool
+    from tierio.io.checksum import xxh3
+    from tierio.storage.download import download_verified
+    from tierio.storage.local import LocalStore
+
+    data = os.urandom(3 * 4096 + 100)
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "obj").write_bytes(data)
+    store = LocalStore(tmp_path / "store", direct=False)
+    window = 4096
+    sums = [xxh3(data[o : o + window]) for o in range(0, len(data), window)]
+    pool = BufferPool(budget_bytes=None, pin=False, max_buffers=4)
+    download_verified(store, "obj", tmp_path / "copy", len(data), window, sums, buffers=pool, depth=2, where="obj")
+    assert (tmp_path / "copy").read_bytes() == data
+    bad = sums[:1] + ["0" * 16] + sums[2:]
+    with pytest.raises(IntegrityError, match=f"obj: bytes {window}..{2 * window} do not match their checksum"):
+        download_verified(store, "obj", tmp_path / "copy2", len(data), window, bad, buffers=pool, depth=2, where="obj")

@@ -70,7 +70,7 @@ def test_s3_fill_is_pipelined_verified_and_hit_is_local(tmp_path, s3_url):
 def test_cold_cpu_load_maps_the_cache_and_private_mode_does_not(tmp_path, s3_url):
     ref = make_model(tmp_path / "m", rows=3000)  # ~6 MiB a shard: several 2 MiB checksum windows
     upload(tmp_path / "m", s3_url)
-    cache = WeightCache(tmp_path / "cache", 1 << 30, chunk_size=2 << 20)
+    cache = WeightCache(tmp_path / "cache", 1 << 30, chunk_bytes="2MiB")
     cold = LoadStats()
     out = cache.load(s3_url, stats=cold)
     same(out, ref)
@@ -90,7 +90,7 @@ def test_cold_cpu_load_maps_the_cache_and_private_mode_does_not(tmp_path, s3_url
     with pytest.raises(IntegrityError, match=f"bytes {2 << 20}..{4 << 20} fail their checksum"):
         cache.load(s3_url, verify="full")
     with pytest.raises(ConfigError, match="multiple of 2 MiB"):
-        WeightCache(tmp_path / "c2", 1 << 30, chunk_size=3 << 20)
+        WeightCache(tmp_path / "c2", 1 << 30, chunk_bytes=3 << 20)
 
 
 def test_corruption_is_caught_and_changed_source_refetched(tmp_path, s3_url):
@@ -188,3 +188,12 @@ def test_fetch_reports_download_progress(tmp_path, s3_url):
     calls = []
     WeightCache(tmp_path / "cache", 1 << 30).fetch(s3_url, progress=lambda d, t: calls.append((d, t)))
     assert calls[-1] == (shards, shards)
+
+
+def test_sizes_take_text_and_the_old_chunk_keyword_warns(tmp_path):
+    cache = WeightCache(tmp_path / "cache", "64GiB", chunk_bytes="4MiB")
+    assert cache.max_bytes == 64 << 30 and cache.chunk_size == 4 << 20
+    with pytest.warns(DeprecationWarning, match="chunk_size"):
+        assert WeightCache(tmp_path / "c2", 1 << 30, chunk_size=2 << 20).chunk_size == 2 << 20
+    with pytest.raises(ConfigError, match="must be positive"):
+        WeightCache(tmp_path / "c3", None)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from tierio.errors import ConfigError, FormatError, IntegrityError, NotFoundError
 from tierio.io import pagecache
-from tierio.weights import LoadStats, inspect, load, load_into
+from tierio.weights import LoadOptions, LoadStats, inspect, load, load_into
 
 
 def raw(t: torch.Tensor) -> bytes:
@@ -202,7 +202,7 @@ def test_load_into_module_streams_without_second_copy(tmp_path):
     src = torch.nn.Sequential(torch.nn.Linear(300, 700), torch.nn.ReLU(), torch.nn.Linear(700, 5))
     save_file({k: v.contiguous() for k, v in src.state_dict().items()}, str(tmp_path / "model.safetensors"))
     dst = torch.nn.Sequential(torch.nn.Linear(300, 700), torch.nn.ReLU(), torch.nn.Linear(700, 5))
-    load_into(dst, tmp_path / "model.safetensors", chunk_size=64 << 10)  # many windows, tensors split across them
+    load_into(dst, tmp_path / "model.safetensors", chunk_bytes="64KiB")  # many windows, tensors split across them
     for k, v in src.state_dict().items():
         assert torch.equal(dst.state_dict()[k], v), k
 
@@ -281,3 +281,19 @@ def test_progress_reports_every_byte_in_order(st_file, mapped):
     calls.clear()
     res = load_into(into, st_file, progress=lambda done, total: calls.append((done, total)))
     assert calls[-1] == (res.stats.bytes, res.stats.bytes)
+
+
+def test_options_object_and_old_keywords_load_the_same(st_file):
+    ref = load_file(str(st_file))
+    stats = LoadStats()
+    got = load(st_file, options=LoadOptions(chunk_bytes="64KiB", mapped=False, stats=stats))
+    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+    assert stats.method == "host-arena" and stats.bytes > 0
+    with pytest.warns(DeprecationWarning, match="chunk_size"):
+        old = load(st_file, chunk_size=64 << 10, mapped=False)
+    assert all(torch.equal(old[k], ref[k]) for k in ref)
+    into = {k: torch.empty_like(v) for k, v in ref.items()}
+    res = load_into(into, st_file, LoadOptions(strict=False), depth=2)
+    assert sorted(res.loaded) == sorted(ref) and res.to_dict()["stats"]["bytes"] == res.stats.bytes
+    with pytest.raises(ConfigError, match="no_such_knob"):
+        load(st_file, no_such_knob=1)

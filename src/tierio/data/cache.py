@@ -20,18 +20,15 @@ atomic fills and fork safety (see there), shared by every process of a node:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tierio.errors import ConfigError, DiskFullError, IntegrityError, NotFoundError, os_error
+from tierio.errors import ConfigError, DiskFullError, NotFoundError
 from tierio.io.buffers import BufferPool
-from tierio.io.checksum import xxh3
-from tierio.io.direct import pwrite_all
-from tierio.io.engine import Window, Windowing, read_range
 from tierio.io.untrusted import check_int
 from tierio.storage.base import Store
+from tierio.storage.download import download_verified
 from tierio.storage.cache import CacheOptions, FillPlan, NodeCache, Pin, entry_name, release_fd
 from tierio.data.shards import ShardInfo, verify_file
 
@@ -124,30 +121,9 @@ class ShardCache:
         """Ranged reads of ``info.window`` bytes, each checked against its xxh3 and written at its
         offset, buffered: the pages stay in the page cache for the reader that maps the shard next,
         and the cache flushes them to the disk after the commit, off the reader's path."""
-        try:
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            raise os_error(exc, target, "creating") from exc
-
-        def window(w: Window) -> None:
-            buf = self._buffers.acquire(w.length)
-            try:
-                view = buf.view[: w.length]
-                self.store.read_into(info.key, w.offset, view)
-                got = xxh3(view)
-                want = info.windows[w.offset // info.window]
-                if got != want:
-                    raise IntegrityError(f"{where}: bytes {w.offset}..{w.end} do not match their checksum (expected "
-                                         f"xxh3 {want}, got {got}); the copy on the store is corrupt")
-                pwrite_all(fd, view, w.offset, target)
-            finally:
-                self._buffers.release(buf)
-
-        try:
-            with self._store_errors(where):
-                read_range(0, info.size, Windowing(info.window, WINDOWS_IN_FLIGHT, grid=info.window), window)
-        finally:
-            os.close(fd)
+        with self._store_errors(where):
+            download_verified(self.store, info.key, target, info.size, info.window, info.windows,
+                              buffers=self._buffers, depth=WINDOWS_IN_FLIGHT, where=where)
 
     def _download(self, info: ShardInfo, target: Path, where: str) -> None:
         with self._store_errors(where):

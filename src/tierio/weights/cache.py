@@ -29,42 +29,34 @@ untrusted bytes (bounded JSON, typed fields, relative names only): a damaged rec
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
-import stat
-import threading
 import time
-from dataclasses import dataclass, field, replace
+import warnings
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tierio.errors import ConfigError, FormatError, IntegrityError, NotFoundError, StoreUnavailableError, os_error
-from tierio.io import pagecache
-from tierio.io.buffers import ALIGN, align_up
-from tierio.io.checksum import xxh3
 from tierio.format.shard import MANIFEST, parse_record_name
 from tierio.io.durable import fsync_tree, write_new_synced
-from tierio.io.direct import open_file, pwrite_all
 from tierio.io.paths import open_beneath
-from tierio.io.untrusted import Fields, check_hex, check_str, read_json_file
 from tierio.storage.base import check_key, list_sizes, read_bytes
+from tierio.stats import Stats
+from tierio.storage.download import WindowWriter
 from tierio.storage.cache import CacheOptions, FillPlan, NodeCache, entry_name, make_parents
 from tierio.weights import engine
-from tierio.weights.engine import Hook, Progress
-from tierio.weights.loader import LoadOptions, LoadStats, Timer, as_device, load_resolved
+from tierio.weights.engine import Progress
+from tierio.weights.loader import LoadStats, ReadSpec, Timer, as_device, load_resolved
+# The record moved to weights.record; its names stay importable from here.
+from tierio.weights.record import (KINDS, MAX_FILES, RECORD, RECORD_LIMIT, SUM_WINDOW, VERSION,  # noqa: F401
+                                   CacheRecord, FileRecord, checksum_hook, stale_reason)
 from tierio.weights.sources import ModelSource, Shard, resolve
+from tierio.units import parse_size
 
 log = logging.getLogger(__name__)
-RECORD = ".tierio-cache.json"
-VERSION = 1
-RECORD_LIMIT = 64 << 20  # 500 GB in 16 MiB windows is ~1.3 MB of checksums
-SUM_WINDOW = 2 << 20  # the checksum window: fills record one xxh3 per multiple of it
-MAX_FILES = 100_000
-KINDS = ("file", "hf", "dir", "tierio")
-_OFFSET = re.compile(r"[0-9]{1,19}")
 # The files beside the shards worth caching: what a load, a tokenizer or a generation config reads.
 # Nothing else of a model directory is copied (optimizer states, READMEs, planted files).
 COMPANIONS = frozenset({
@@ -76,94 +68,12 @@ MAX_COMPANION_BYTES = 256 << 20  # the largest tokenizers are tens of MB; anythi
 
 
 @dataclass
-class CacheEntry:
+class CacheEntry(Stats):
     name: str
     source: str  # empty when the entry's record cannot be read
     bytes: int
     last_used: float
     path: Path
-
-
-# -- the record -----------------------------------------------------------------------------------
-@dataclass
-class FileRecord:
-    size: int
-    mtime: float = 0.0  # at the source (0 for companion files, which are not checked)
-    sums: dict[int, str] = field(default_factory=dict)  # window offset -> xxh3 (shards only)
-
-
-@dataclass
-class CacheRecord:
-    """What a committed entry holds and where it came from."""
-
-    source: str
-    kind: str  # as ModelSource.kind
-    files: dict[str, FileRecord]  # relative name -> record (shards and companion files)
-    order: list[str]  # the shard files, in source order
-    chunk: int  # the checksum window of the fill
-    created: float
-
-    def local_path(self, entry: Path) -> Path:
-        """What to load from: the file of a single-file model, else the entry directory."""
-        return entry / self.order[0] if self.kind == "file" else entry
-
-    def to_json(self) -> str:
-        files = {k: {"size": f.size, "mtime": f.mtime, **({"xxh3": {str(o): h for o, h in f.sums.items()}} if f.sums else {})}
-                 for k, f in self.files.items()}
-        return json.dumps({
-            "version": VERSION, "source": self.source, "kind": self.kind, "bytes": sum(f.size for f in self.files.values()),
-            "files": files, "files_order": self.order, "chunk": self.chunk, "created": self.created,
-        }, indent=1)
-
-    @classmethod
-    def from_doc(cls, doc: object, where: str) -> CacheRecord:
-        """A record from an untrusted document; FormatError on anything odd (names must stay inside the entry)."""
-        f = Fields(doc, where)
-        f.const("version", VERSION)
-        listed = f.obj("files")
-        if len(listed.doc) > MAX_FILES:
-            raise FormatError(f"{where}: more than {MAX_FILES} files")
-        files = {check_key(k, where): _file_record(listed.obj(k)) for k in listed.doc}
-        order = [check_key(check_str(k, where), where) for k in f.list("files_order", MAX_FILES)]
-        if not order or any(k not in files for k in order):
-            raise FormatError(f"{where}: 'files_order' must name files of 'files'")
-        chunk = f.int("chunk", SUM_WINDOW, 1 << 30)
-        if chunk % SUM_WINDOW:
-            raise FormatError(f"{where}: field 'chunk' must be a multiple of {SUM_WINDOW}, got {chunk}")
-        return cls(f.str("source", 8192), f.const("kind", *KINDS), files, order, chunk, f.float("created", 0.0))
-
-    @classmethod
-    def read(cls, entry: Path) -> CacheRecord:
-        """The record of a committed entry (NotFoundError, or FormatError when it is damaged)."""
-        path = entry / RECORD
-        return cls.from_doc(read_json_file(path, missing="the entry has no record", limit=RECORD_LIMIT), str(path))
-
-
-def _file_record(f: Fields) -> FileRecord:
-    sums = f.obj("xxh3", default=None)
-    checked: dict[int, str] = {}
-    for k, v in (sums.doc.items() if sums is not None else ()):
-        if not _OFFSET.fullmatch(k):
-            raise FormatError(f"{sums.where}: {k[:40]!r} is not a byte offset")  # type: ignore[union-attr]
-        checked[int(k)] = check_hex(v, f"{sums.where}[{k}]", 16)  # type: ignore[union-attr]
-    return FileRecord(f.int("size"), f.float("mtime", 0.0, default=0.0), checked)
-
-
-def stale_reason(record: CacheRecord, entry: Path, src: ModelSource | None) -> str | None:
-    """Why a committed entry cannot be used (None when it is good): a file missing or of the wrong
-    size in the cache, or (given the source) a shard that changed there."""
-    for key, f in record.files.items():  # keys were checked relative when the record was read
-        try:
-            st = os.lstat(entry / key)
-        except OSError:
-            return f"{key} is missing from the cache"
-        if st.st_size != f.size or not stat.S_ISREG(st.st_mode):
-            return f"{key} has the wrong size in the cache"
-    for s in src.shards if src is not None else ():
-        f = record.files.get(s.key)  # type: ignore[assignment]
-        if f is None or f.size != s.size or abs(f.mtime - s.mtime) > 1e-3:
-            return f"{s.key} changed at the source"
-    return None
 
 
 def _wanted_companion(src: ModelSource, key: str) -> bool:
@@ -232,57 +142,12 @@ def check_listing(src: ModelSource) -> None:
         raise NotFoundError(f"{src.url} holds no tensor files to cache")
 
 
-# -- writing shards ------------------------------------------------------------------------------
-class _ShardWriter:
-    """Receives windows of one shard (in any order) and writes them to the cache file.
-
-    With ``prefetch`` each written window is then read back into the page cache in the background
-    (see io.pagecache.prefetch), so the file is resident, ready to be mapped, when the download ends."""
-
-    def __init__(self, shard: Shard, path: Path, prefetch: bool = False) -> None:
-        self.shard, self.path, self.prefetch = shard, path, prefetch
-        self.fd, self.direct = open_file(path, write=True, direct=True)
-        self.sums: dict[int, str] = {}
-        self.written = 0
-        self._lock = threading.Lock()
-
-    def write(self, offset: int, view: memoryview, n: int) -> None:
-        digest = xxh3(view[:n])
-        data = view[: align_up(n)] if self.direct and offset % ALIGN == 0 else view[:n]
-        if self.direct and len(data) % ALIGN:  # cannot happen with aligned windows; stay safe
-            raise IntegrityError(f"unaligned window at {offset} for {self.path}")
-        pwrite_all(self.fd, data, offset, self.path)
-        if self.prefetch and self.direct:  # buffered writes left the bytes in the page cache already
-            try:
-                pagecache.prefetch(self.fd, offset, n)
-            except OSError as exc:
-                raise os_error(exc, self.path, "reading back cache file") from exc
-        with self._lock:
-            self.sums[offset] = digest
-            self.written += n
-
-    def close(self) -> None:
-        try:
-            os.ftruncate(self.fd, self.shard.size)  # drop the O_DIRECT padding of the last window
-            os.fsync(self.fd)
-        except OSError as exc:
-            raise os_error(exc, self.path, "finishing cache file") from exc
-        finally:
-            os.close(self.fd)
-
-    def abort(self) -> None:
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
-
-
 # -- one request through the cache ----------------------------------------------------------------
 @dataclass(frozen=True)
 class CacheLoad:
     """A load through the cache: the load options, and how a hit is verified ("size" or "full")."""
 
-    options: LoadOptions
+    options: ReadSpec
     verify: str = "size"
 
     @property
@@ -337,7 +202,7 @@ class _Request:
         assert self.load is not None
         full = self.load.verify == "full"
         opts = replace(self.load.options, chunk_size=record.chunk, depth=self.cache.depth, whole_files=full,
-                       hook=_checksum_hook(record) if full else None, progress=self.progress)
+                       hook=checksum_hook(record) if full else None, progress=self.progress)
         return load_resolved(resolve(record.local_path(entry)), opts, self.stats)
 
     # -- a miss -----------------------------------------------------------------------------------
@@ -353,14 +218,14 @@ class _Request:
         """The fill: companion files first, then every shard through its writer."""
         assert self.src is not None
         self._files = self._copy_companions(target)
-        writers = {id(s): _ShardWriter(s, make_parents(target, s.key, self.src.url),
+        writers = {id(s): WindowWriter(make_parents(target, s.key, self.src.url), direct=True,
                                        prefetch=self.load is not None and self.load.maps_after_fill)
                    for s in self.src.shards}
         try:
             self._download(writers)
             for s in self.src.shards:
                 w = writers.pop(id(s))
-                w.close()
+                w.close(s.size)  # drop the O_DIRECT padding of the last window
                 if w.written != s.size:
                     raise IntegrityError(f"cache copy of {s.where} got {w.written} of {s.size} bytes")
                 self._files[s.key] = FileRecord(s.size, s.mtime, dict(sorted(w.sums.items())))
@@ -379,7 +244,7 @@ class _Request:
             out[key] = FileRecord(size)
         return out
 
-    def _download(self, writers: dict[int, _ShardWriter]) -> None:
+    def _download(self, writers: dict[int, WindowWriter]) -> None:
         src, cache, stats = self.src, self.cache, self.stats
         assert src is not None
 
@@ -429,23 +294,6 @@ class _Request:
         return out
 
 
-def _checksum_hook(record: CacheRecord) -> Hook:
-    """Checks every window a full-verify load reads against the fill's recorded xxh3."""
-    chunk = record.chunk
-    sums = {k: f.sums for k, f in record.files.items()}
-
-    def hook(shard: Shard, offset: int, view: memoryview, n: int) -> None:
-        # Windows are whole multiples of the fill's checksum window (see engine).
-        for rel in range(0, n, chunk):
-            at, m = offset + rel, min(chunk, n - rel)
-            want = sums.get(shard.key, {}).get(at)
-            if want is None or xxh3(view[rel : rel + m]) != want:
-                why = "have no recorded checksum" if want is None else "fail their checksum"
-                raise IntegrityError(f"cached {shard.where} bytes {at}..{at + m} {why}; run `tierio weights fetch` again or evict the entry")
-
-    return hook
-
-
 # -- the cache ------------------------------------------------------------------------------------
 class WeightCache:
     """A size-bounded, multi-process-safe local cache of models from slow or remote storage.
@@ -453,9 +301,17 @@ class WeightCache:
     ``wait_timeout``: seconds a fill waits for room while every model it could evict is being
     loaded by some process (default 0: fail at once, naming the models in use)."""
 
-    def __init__(self, root: str | Path, max_bytes: int, *, check_source: bool = True, chunk_size: int = engine.DEFAULT_CHUNK,
-                 depth: int = 16, wait_timeout: float = 0.0) -> None:
-        if max_bytes <= 0:
+    def __init__(self, root: str | Path, max_bytes: int | str | None, *, check_source: bool = True,
+                 chunk_bytes: int | str = engine.DEFAULT_CHUNK, depth: int = 16, wait_timeout: float = 0.0,
+                 **deprecated: Any) -> None:
+        if "chunk_size" in deprecated:  # the old name, one release
+            warnings.warn("WeightCache: 'chunk_size' is deprecated, use 'chunk_bytes'", DeprecationWarning, stacklevel=2)
+            chunk_bytes = deprecated.pop("chunk_size")
+        if deprecated:
+            raise TypeError(f"WeightCache got unexpected keyword argument(s) {', '.join(sorted(deprecated))}")
+        max_bytes = parse_size(max_bytes) if isinstance(max_bytes, str) else max_bytes
+        chunk_size = parse_size(chunk_bytes) if isinstance(chunk_bytes, str) else chunk_bytes
+        if max_bytes is None or max_bytes <= 0:
             raise ConfigError(f"WeightCache max_bytes must be positive, got {max_bytes}")
         if chunk_size <= 0 or chunk_size % SUM_WINDOW:
             raise ConfigError(f"WeightCache chunk_size must be a positive multiple of 2 MiB (a checksum window), got {chunk_size}")
@@ -515,7 +371,7 @@ class WeightCache:
         if verify not in ("size", "full"):
             raise ConfigError(f"verify must be 'size' or 'full', got {verify!r}")
         stats = stats if stats is not None else LoadStats()
-        opts = LoadOptions(as_device(device), dtype, list(keys) if keys is not None else None, mapped=mapped,
+        opts = ReadSpec(as_device(device), dtype, list(keys) if keys is not None else None, mapped=mapped,
                            chunk_size=self.chunk_size, depth=self.depth)
         with Timer(stats):
             _, out = self._through(_Request(self, str(url), CacheLoad(opts, verify), stats, progress))

@@ -17,7 +17,7 @@ import resource
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,50 +28,11 @@ from tierio.format.safetensors import TensorEntry, torch_dtype
 from tierio.io import gds
 from tierio.weights import engine
 from tierio.weights.engine import Counters, Extent, Hook, Progress
+from tierio.weights.options import LoadOptions
 from tierio.weights.sources import ModelSource, Shard, resolve
+from tierio.weights.stats import LoadIntoResult, LoadStats
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LoadStats:
-    """What a load moved and what it cost. ``cpu_seconds`` counts every thread of the process."""
-
-    source: str = ""
-    device: str = "cpu"
-    method: str = ""  # "mapped" | "host-arena" | "pinned-ring" | "gds" | "in-place" (+ "+cache-fill")
-    files: int = 0
-    tensors: int = 0
-    bytes: int = 0  # bytes read from storage
-    seconds: float = 0.0
-    cpu_seconds: float = 0.0
-    direct_bytes: int = 0
-    buffered_bytes: int = 0  # read through the page cache (it already held them, or no O_DIRECT)
-    remote_bytes: int = 0
-    copied_tensors: int = 0  # tensors whose offset was not a multiple of their element size
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def add_read(self, counters: Counters, files: int) -> None:
-        """Account one read pass: the files it touched, the bytes it planned, and how they came."""
-        self.files += files
-        self.bytes += counters.total
-        self.direct_bytes += counters.direct_bytes
-        self.buffered_bytes += counters.buffered_bytes
-        self.remote_bytes += counters.remote_bytes
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-    @property
-    def cpu_s_per_gb(self) -> float:
-        return self.cpu_seconds / (self.bytes / 1e9) if self.bytes else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["gb_per_s"] = round(self.gb_per_s, 3)
-        d["cpu_s_per_gb"] = round(self.cpu_s_per_gb, 3)
-        return d
 
 
 def cpu_time() -> float:
@@ -112,8 +73,9 @@ def as_device(device: str | torch.device) -> torch.device:
 
 
 @dataclass
-class LoadOptions:
-    """How a load runs: where tensors go and how the bytes are read (see :func:`load`)."""
+class ReadSpec:
+    """One load as the reader sees it: where tensors go and how the bytes are read (from the
+    caller's ``LoadOptions``, or set by the weight cache)."""
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: torch.dtype | None = None
@@ -185,19 +147,14 @@ def load(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     keys: Iterable[str] | None = None,
-    *,
-    stats: LoadStats | None = None,
-    direct: bool = True,
-    chunk_size: int = engine.DEFAULT_CHUNK,
-    depth: int = engine.DEFAULT_DEPTH,
-    use_gds: bool | None = None,
-    mapped: bool = True,
-    progress: Progress | None = None,
+    options: LoadOptions | None = None,
+    **overrides: Any,
 ) -> dict[str, torch.Tensor]:
     """Load tensors from a .safetensors file, a model directory, a tierio checkpoint or an s3:// URL.
 
     ``keys`` limits the load to those tensors (only their byte ranges are read); ``dtype``
-    converts floating-point tensors; ``stats`` (a LoadStats) receives bytes, seconds and CPU time;
+    converts floating-point tensors; ``options`` (or keyword overrides of its fields, see
+    :class:`LoadOptions`): ``stats`` (a LoadStats) receives bytes, seconds and CPU time;
     ``progress(done, total)`` is called from the reader threads as each window of bytes lands.
 
     ``mapped`` chooses the memory CPU tensors of local files live in. ``True`` (default):
@@ -209,16 +166,17 @@ def load(
     independent of the files; it costs more CPU, most of it spent faulting in the new memory.
     GPU targets and remote sources ignore ``mapped``.
     """
-    stats = stats if stats is not None else LoadStats()
-    opts = LoadOptions(as_device(device), dtype, list(keys) if keys is not None else None, mapped=mapped, direct=direct,
-                       chunk_size=chunk_size, depth=depth, use_gds=use_gds, progress=progress)
+    o = LoadOptions.resolve(options, overrides)
+    stats = o.stats if o.stats is not None else LoadStats()
+    opts = ReadSpec(as_device(device), dtype, list(keys) if keys is not None else None, mapped=o.mapped, direct=o.direct,
+                    chunk_size=int(o.chunk_bytes), depth=o.depth, use_gds=o.use_gds, progress=o.progress)
     with Timer(stats):
         src = source if isinstance(source, ModelSource) else resolve(source)
         out = load_resolved(src, opts, stats)
     return out
 
 
-def load_resolved(src: ModelSource, opts: LoadOptions, stats: LoadStats) -> dict[str, torch.Tensor]:
+def load_resolved(src: ModelSource, opts: ReadSpec, stats: LoadStats) -> dict[str, torch.Tensor]:
     """The loader proper, for an already resolved source: plan the reads, read them into the
     memory the target wants, then name, convert and order the tensors."""
     plan = plan_reads(src, opts)
@@ -234,7 +192,7 @@ def load_resolved(src: ModelSource, opts: LoadOptions, stats: LoadStats) -> dict
     return _finish(plan, out, opts, stats)
 
 
-def plan_reads(src: ModelSource, opts: LoadOptions) -> ReadPlan:
+def plan_reads(src: ModelSource, opts: ReadSpec) -> ReadPlan:
     """The extents to read for ``opts.keys`` (every byte of every shard with ``whole_files``)."""
     selected = _select(src, opts.keys)
     extents: list[Extent] = []
@@ -252,7 +210,7 @@ def plan_reads(src: ModelSource, opts: LoadOptions) -> ReadPlan:
     return ReadPlan(selected, extents, names, order, counters)
 
 
-def _read_mapped(plan: ReadPlan, src: ModelSource, opts: LoadOptions, stats: LoadStats) -> dict[str, torch.Tensor] | None:
+def _read_mapped(plan: ReadPlan, src: ModelSource, opts: ReadSpec, stats: LoadStats) -> dict[str, torch.Tensor] | None:
     """CPU tensors as views of copy-on-write mappings of local files; None when not possible."""
     if not all(x.shard.path is not None for x in plan.extents):
         return None
@@ -271,7 +229,7 @@ def _read_mapped(plan: ReadPlan, src: ModelSource, opts: LoadOptions, stats: Loa
     return out
 
 
-def _read_arenas(plan: ReadPlan, opts: LoadOptions, stats: LoadStats) -> dict[str, torch.Tensor]:
+def _read_arenas(plan: ReadPlan, opts: ReadSpec, stats: LoadStats) -> dict[str, torch.Tensor]:
     """Tensors in private host memory (one arena per extent); moved to the device if it is not the CPU."""
     stats.method = "host-arena"
     arenas = engine.read_to_arenas(plan.extents, chunk_size=opts.chunk_size, depth=opts.depth, direct=opts.direct,
@@ -287,7 +245,7 @@ def _read_arenas(plan: ReadPlan, opts: LoadOptions, stats: LoadStats) -> dict[st
     return out
 
 
-def _finish(plan: ReadPlan, out: dict[str, torch.Tensor], opts: LoadOptions, stats: LoadStats) -> dict[str, torch.Tensor]:
+def _finish(plan: ReadPlan, out: dict[str, torch.Tensor], opts: ReadSpec, stats: LoadStats) -> dict[str, torch.Tensor]:
     for items in plan.selected.values():  # empty tensors own no bytes in the file
         for name, e in items:
             if e.nbytes == 0:
@@ -319,7 +277,7 @@ def copy_to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
     stream.synchronize()
 
 
-def _load_cuda(plan: ReadPlan, opts: LoadOptions, stats: LoadStats) -> dict[str, torch.Tensor]:
+def _load_cuda(plan: ReadPlan, opts: ReadSpec, stats: LoadStats) -> dict[str, torch.Tensor]:
     dev = opts.device
     dev_bufs = [torch.empty(ext.capacity, dtype=torch.uint8, device=dev) for ext in plan.extents]
     by_ext = {id(e): b for e, b in zip(plan.extents, dev_bufs)}
@@ -339,7 +297,7 @@ def _load_cuda(plan: ReadPlan, opts: LoadOptions, stats: LoadStats) -> dict[str,
     return out
 
 
-def _read_gds(plan: ReadPlan, dev_bufs: list[torch.Tensor], opts: LoadOptions, stats: LoadStats) -> bool:
+def _read_gds(plan: ReadPlan, dev_bufs: list[torch.Tensor], opts: ReadSpec, stats: LoadStats) -> bool:
     """GPUDirect Storage reads of local files straight into device memory; False to use the ring."""
     want = gds.available() if opts.use_gds is None else (opts.use_gds and gds.available())
     if not want or opts.hook is not None or not all(x.shard.path is not None for x in plan.extents):
@@ -360,14 +318,6 @@ def _read_gds(plan: ReadPlan, dev_bufs: list[torch.Tensor], opts: LoadOptions, s
 
 
 # -- load_into ---------------------------------------------------------------------------------
-@dataclass
-class LoadIntoResult:
-    loaded: list[str]
-    missing: list[str]  # in the target, not in the source
-    unexpected: list[str]  # in the source, not in the target
-    stats: LoadStats
-
-
 def _target_tensors(target: Any) -> dict[str, torch.Tensor]:
     if isinstance(target, torch.nn.Module):
         return dict(target.state_dict(keep_vars=False))
@@ -382,13 +332,8 @@ def _target_tensors(target: Any) -> dict[str, torch.Tensor]:
 def load_into(
     target: Any,
     source: str | Any,
-    *,
-    strict: bool = True,
-    stats: LoadStats | None = None,
-    direct: bool = True,
-    chunk_size: int = engine.DEFAULT_CHUNK,
-    depth: int = engine.DEFAULT_DEPTH,
-    progress: Progress | None = None,
+    options: LoadOptions | None = None,
+    **overrides: Any,
 ) -> LoadIntoResult:
     """Fill the existing tensors of a module or state dict in place from ``source``.
 
@@ -396,10 +341,12 @@ def load_into(
     GPU): no second copy of the model is ever allocated. A tensor whose dtype differs from the
     file, or that is not contiguous, is staged in a temporary of its own size and converted.
     With ``strict`` every target tensor must be in the source (tied weights excepted) and shapes
-    must match.
+    must match. ``options`` (or keyword overrides) as for :func:`load`; GPU and mapping knobs do not apply.
     """
-    stats = stats if stats is not None else LoadStats()
-    opts = LoadOptions(direct=direct, chunk_size=chunk_size, depth=depth, progress=progress)
+    o = LoadOptions.resolve(options, overrides)
+    strict = o.strict
+    stats = o.stats if o.stats is not None else LoadStats()
+    opts = ReadSpec(direct=o.direct, chunk_size=int(o.chunk_bytes), depth=o.depth, progress=o.progress)
     with Timer(stats):
         src = source if isinstance(source, ModelSource) else resolve(source)
         stats.source, stats.method = src.url, "in-place"
@@ -423,7 +370,7 @@ def load_into(
     return LoadIntoResult(names, missing, unexpected, stats)
 
 
-def _fill_in_place(targets: dict[str, tuple[torch.Tensor, Shard, TensorEntry]], opts: LoadOptions, stats: LoadStats) -> None:
+def _fill_in_place(targets: dict[str, tuple[torch.Tensor, Shard, TensorEntry]], opts: ReadSpec, stats: LoadStats) -> None:
     """Stream the bytes of each (destination, shard, entry) through the ring into the destination."""
     by_shard: dict[int, list[TensorEntry]] = {}
     shards: dict[int, Shard] = {}
@@ -489,4 +436,4 @@ def inspect(source: str | Any) -> dict[str, Any]:
     }
 
 
-__all__ = ["LoadIntoResult", "LoadOptions", "LoadStats", "Timer", "as_device", "inspect", "load", "load_into", "load_resolved"]
+__all__ = ["LoadIntoResult", "LoadOptions", "LoadStats", "ReadSpec", "Timer", "as_device", "inspect", "load", "load_into", "load_resolved"]

@@ -1,0 +1,34 @@
+"""How a weight load runs: the knobs of :func:`tierio.weights.load` and :func:`load_into`, one
+``tierio.options.Options`` record (what the call is about — source, device, dtype, keys — stays
+a parameter)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from tierio.options import Options
+from tierio.weights.engine import DEFAULT_CHUNK, DEFAULT_DEPTH, Progress
+from tierio.weights.stats import LoadStats
+
+
+@dataclass(frozen=True)
+class LoadOptions(Options):
+    """``stats`` receives bytes, seconds and CPU time; ``direct`` reads by O_DIRECT where the
+    filesystem allows; ``chunk_bytes`` per request, ``depth`` in flight; ``use_gds`` (None: when
+    kvikio works); ``mapped``: CPU tensors as copy-on-write views of local files; ``progress(done,
+    total)`` from the reader threads; ``strict`` (load_into): every target tensor must be in the source."""
+
+    ALIASES: ClassVar[dict[str, str]] = {"chunk_size": "chunk_bytes"}
+
+    stats: LoadStats | None = None
+    direct: bool = True
+    chunk_bytes: int | str = DEFAULT_CHUNK
+    depth: int = DEFAULT_DEPTH
+    use_gds: bool | None = None
+    mapped: bool = True
+    progress: Progress | None = None
+    strict: bool = True
+
+
+__all__ = ["LoadOptions"]
