@@ -36,13 +36,6 @@ def unitless_size(name: str, annotation: object) -> bool:
     text = str(annotation)
     return name not in COUNTS and bool(UNITLESS_SIZE.search(name)) and "float" not in text and "bool" not in text
 REPORT_SUFFIXES = ("Stats", "Report", "Info", "Result")
-# Capabilities whose entry points do not follow the convention yet: their checks are expected to
-# fail (strict, so the mark must go the day they pass). weights.load/load_into take LoadOptions next.
-NOT_YET = {"weights"}
-
-
-def pending(cap: str) -> list:
-    return [pytest.mark.xfail(strict=True, reason=f"tierio.{cap} does not follow the convention yet")] if cap in NOT_YET else []
 
 
 def public(cap: str) -> list[tuple[str, object]]:
@@ -66,8 +59,8 @@ def call_params(obj: object) -> list[inspect.Parameter]:
             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in OPTION_PARAMS]
 
 
-def callables(fails: typing.Callable[[object], bool]) -> list:
-    """Every public call, as test params; one that ``fails`` in a capability of NOT_YET is expected to."""
+def callables() -> list:
+    """Every public call (function or class with a constructor of its own), as test params."""
     out = []
     for cap, name, obj in everything():
         if is_record(obj) or isinstance(obj, typing.NewType) or (
@@ -77,20 +70,11 @@ def callables(fails: typing.Callable[[object], bool]) -> list:
                                       or any(b.__module__ == "builtins" and b is not object for b in obj.__mro__[1:])):
             continue  # no constructor of its own, or a value type such as a bytes key
         if callable(obj):
-            out.append(pytest.param(cap, name, obj, id=f"{cap}.{name}", marks=pending(cap) if fails(obj) else []))
+            out.append(pytest.param(cap, name, obj, id=f"{cap}.{name}"))
     return out
 
 
-def too_many(obj: object) -> bool:
-    return len(call_params(obj)) > MAX_PARAMS
-
-
-def unitless_or_int_only(obj: object) -> bool:
-    return any(unitless_size(p.name, p.annotation) or (p.name.endswith("_bytes") and "str" not in str(p.annotation))
-               for p in call_params(obj))
-
-
-@pytest.mark.parametrize("cap,name,obj", callables(too_many))
+@pytest.mark.parametrize("cap,name,obj", callables())
 def test_calls_take_few_parameters_beyond_options(cap, name, obj):
     params = call_params(obj)
     assert len(params) <= MAX_PARAMS, (
@@ -98,7 +82,7 @@ def test_calls_take_few_parameters_beyond_options(cap, name, obj):
         f"({', '.join(p.name for p in params)}); move the knobs into an options dataclass")
 
 
-@pytest.mark.parametrize("cap,name,obj", callables(unitless_or_int_only))
+@pytest.mark.parametrize("cap,name,obj", callables())
 def test_call_sizes_are_bytes_and_take_text(cap, name, obj):
     for p in call_params(obj):
         assert not unitless_size(p.name, p.annotation), f"tierio.{cap}.{name}({p.name}=…): name sizes *_bytes"
@@ -111,7 +95,6 @@ def options_classes() -> list[tuple[str, str, type]]:
             if isinstance(obj, type) and issubclass(obj, Options)]
 
 
-@pytest.mark.xfail(bool(NOT_YET), strict=True, reason="weights has no options class yet")
 def test_every_capability_has_an_options_class():
     have = {cap for cap, _, _ in options_classes()}
     assert have == set(CAPABILITIES), f"no Options subclass exported by {sorted(set(CAPABILITIES) - have)}"
@@ -143,19 +126,10 @@ def test_options_refuse_unknown_and_map_old_names(cap, name, cls):
             assert getattr(cls().with_overrides({old: value}), new) == value
 
 
-def test_reports_have_to_dict_where_the_convention_holds():
+def test_reports_have_to_dict():
     for cap, name, obj in everything():
-        if cap in NOT_YET:
-            continue
         if isinstance(obj, type) and name.endswith(REPORT_SUFFIXES):
             assert callable(getattr(obj, "to_dict", None)), f"tierio.{cap}.{name} has no to_dict()"
-
-
-@pytest.mark.xfail(bool(NOT_YET), strict=True, reason="weights reports have no to_dict yet")
-def test_reports_of_pending_capabilities_lack_to_dict():
-    missing = [name for cap, name, obj in everything() if cap in NOT_YET and isinstance(obj, type)
-               and name.endswith(REPORT_SUFFIXES) and not callable(getattr(obj, "to_dict", None))]
-    assert not missing, f"no to_dict(): {missing}"
 
 
 def test_background_work_is_a_handle():
