@@ -32,7 +32,7 @@ from tierio.errors import FormatError, IntegrityError, NotFoundError, StorageErr
 from tierio.format.manifest import ChunkInfo, RankEntry, file_key
 from tierio.format.safetensors import torch_dtype
 from tierio.io.buffers import align_up
-from tierio.io.checksum import verify as verify_checksum
+from tierio.io.checksum import verify_checksum
 from tierio.io.mapping import FileMapping, page_start, populate_windows
 from tierio.storage.local import LocalStore
 from tierio.units import MiB

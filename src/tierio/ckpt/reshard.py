@@ -33,7 +33,7 @@ from tierio.format.manifest import ChunkInfo, RankEntry, file_key
 from tierio.format.safetensors import torch_dtype
 from tierio.format.slices import Box
 from tierio.io.buffers import ALIGN, address_of
-from tierio.io.checksum import verify as verify_checksum
+from tierio.io.checksum import verify_checksum
 from tierio.io.engine import ByteRange
 from tierio.storage.base import Store
 from tierio.storage.scatter import Whole, read_scatter, read_whole
