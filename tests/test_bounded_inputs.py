@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-from tierio.ckpt.buddy import Link, Pairing, parcel_room, transfer
-from tierio.ckpt.commit import Waiting, await_commit
+from tierio.ckpt.promotion.buddy import Link, Pairing, parcel_room, transfer
+from tierio.ckpt.steps.commit import Waiting, await_commit
 from tierio.errors import FormatError, StorageError
 from tierio.format.manifest import MAX_MANIFEST_BYTES, RankEntry
 from tierio.format.shard import manifest_key

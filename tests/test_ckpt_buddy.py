@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from tierio.ckpt import CheckpointManager, KeepLast, Tier, list_checkpoints
-from tierio.ckpt.buddy import pair
+from tierio.ckpt.promotion.buddy import pair
 from tierio.errors import ConfigError
 
 SMALL, LARGE = 64, 512  # rows of 1024 float32: step 1 fits promotion's burst, step 2 does not
@@ -182,7 +182,7 @@ def test_one_node_makes_no_copies(tmp_path, caplog):
 
 def _saved_part(tmp_path) -> tuple:
     """Rank 0's record and shard of step 1 as a one-rank save with a node-local tier 0 left them."""
-    from tierio.ckpt.buddy import read_parcel
+    from tierio.ckpt.promotion.buddy import read_parcel
     from tierio.storage import open_store
 
     with CheckpointManager([Tier(tmp_path / "nvme", scope="node"), tmp_path / "shared"]) as mgr:
@@ -195,7 +195,7 @@ def _saved_part(tmp_path) -> tuple:
 def test_a_copy_is_checked_against_its_record_before_it_is_kept(tmp_path):
     from dataclasses import replace
 
-    from tierio.ckpt.buddy import check_parcel
+    from tierio.ckpt.promotion.buddy import check_parcel
     from tierio.errors import FormatError, IntegrityError
 
     _, parcel = _saved_part(tmp_path)
@@ -215,7 +215,7 @@ def test_a_copy_is_checked_against_its_record_before_it_is_kept(tmp_path):
 
 
 def test_a_step_is_restorable_from_node_copies_only_when_every_rank_has_a_part(tmp_path):
-    from tierio.ckpt.buddy_restore import Part, plan_steps
+    from tierio.ckpt.promotion.buddy_restore import Part, plan_steps
 
     def own(r: int, step: int, token: str = "aa") -> Part:
         return Part(r, step, token, f"step_{step:09d}/rank_{r:05d}.{token}.{'0' * 16}.json", r)

@@ -1,6 +1,6 @@
 """The one garbage collector: leftovers of a process killed mid-promotion are removed by the next
 manager and by `tierio ckpt gc`; stale S3 multipart uploads are aborted; the same safety rules
-hold whether the manager, ckpt.gc or the command line runs it."""
+hold whether the manager, ckpt.steps.gc or the command line runs it."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def test_one_collector_same_rules_everywhere(tmp_path, capsys):
             (root / f"step_{step:09d}" / "rank_00000.safetensors").write_bytes(b"partial")
 
     expected_dirs = ["step_000000003", "step_000000004", "tierio-lease"]  # the lease keeps its last generation
-    # ckpt.gc: a policy that keeps nothing still leaves the newest checkpoint, and debris older than it goes.
+    # ckpt.steps.gc: a policy that keeps nothing still leaves the newest checkpoint, and debris older than it goes.
     fill(tmp_path / "a")
     assert gc(tmp_path / "a", "every:1000", min_keep=0) == [1, 2]
     assert sorted(os.listdir(tmp_path / "a")) == expected_dirs

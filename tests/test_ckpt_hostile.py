@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tierio.ckpt import CheckpointManager, KeepLast, Tier, delete_step, gc, list_checkpoints
-from tierio.ckpt.lease import LEASE_PREFIX, newest_generation, read_lease
+from tierio.ckpt.steps.lease import LEASE_PREFIX, newest_generation, read_lease
 from tierio.cli.main import main
 from tierio.errors import FormatError, IntegrityError, LeaseError, NotFoundError, TierioError
 from tierio.storage import open_store

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tierio.ckpt import CheckpointManager, CheckpointOptions
-from tierio.ckpt.interval import interval_at, measured_cost, optimal_interval, save_due
+from tierio.ckpt.saving.interval import interval_at, measured_cost, optimal_interval, save_due
 from tierio.cli.main import main
 from tierio.errors import ConfigError
 

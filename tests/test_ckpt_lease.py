@@ -20,11 +20,11 @@ import torch
 
 from tierio.ckpt import CheckpointManager, list_checkpoints, unlock, verify
 from tierio.ckpt import lease as lease_mod
-from tierio.ckpt.commit import put_manifest
-from tierio.ckpt.lease import (
+from tierio.ckpt.steps.commit import put_manifest
+from tierio.ckpt.steps.lease import (
     GENERATION_FIELD, LEASE_PREFIX, Holder, LeaseTiming, acquire, check_conditions, generation_key, look, read_lease,
 )
-from tierio.ckpt.tier_leases import TierLeases
+from tierio.ckpt.steps.tier_leases import TierLeases
 from tierio.cli.main import main
 from tierio.errors import ConfigError, LeaseError
 from tierio.storage import LocalStore, open_store

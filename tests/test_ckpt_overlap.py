@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from tierio.ckpt import CheckpointManager
-from tierio.ckpt.overlap import SYNC_BYTES, Overlap, Snapshot, copy_behind
-from tierio.ckpt.stage import Stager
+from tierio.ckpt.saving.overlap import SYNC_BYTES, Overlap, Snapshot, copy_behind
+from tierio.ckpt.saving.stage import Stager
 from tierio.errors import ConfigError, SnapshotChangedError, StorageError
 from tierio.format.shard import manifest_key, plan_shard, shard_key
 from tierio.io.buffers import BufferPool

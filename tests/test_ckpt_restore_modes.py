@@ -192,7 +192,7 @@ def test_a_global_tensor_saved_whole_is_mapped(tmp_path):
 
 
 def test_populate_windows_group_small_chunks_and_cut_large_ones_on_pages():
-    from tierio.ckpt.mapped import windows
+    from tierio.ckpt.restore.mapped import windows
     from tierio.format.manifest import ChunkInfo
 
     def chunk(begin: int, end: int) -> ChunkInfo:

@@ -390,7 +390,7 @@ class CountingStore:
 
 def _simulate(store: Any, ranks: int, tensors: int, step: int) -> dict[str, Any]:
     """``ranks`` simulated ranks write their shard and record on threads; then the commit runs."""
-    from tierio.ckpt.commit import CommitPlan, Waiting, commit_step, write_record
+    from tierio.ckpt.steps.commit import CommitPlan, Waiting, commit_step, write_record
     from tierio.format.manifest import ChunkInfo, RankEntry, TensorInfo
     from tierio.format.shard import shard_key, shard_name
 
@@ -419,7 +419,7 @@ def _simulate(store: Any, ranks: int, tensors: int, step: int) -> dict[str, Any]
     before = dict(store.calls)
     plan = lambda listing: CommitPlan.from_listing(listing, step, ranks, {}, {0: entries[0]})  # noqa: E731
     if ranks == 1:
-        from tierio.ckpt.commit import build_manifest, commit
+        from tierio.ckpt.steps.commit import build_manifest, commit
 
         commit(store, build_manifest(store, CommitPlan(step, 1, {}, {}, {}, {0: entries[0]})), [])
     else:

@@ -1,11 +1,11 @@
 """Asynchronous, tiered, verified checkpoints (see docs/checkpoints.md)."""
 
-from tierio.ckpt.gc import delete_step
+from tierio.ckpt.steps.gc import delete_step
 from tierio.ckpt.manager import CheckpointManager, SaveHandle
 from tierio.ckpt.options import CheckpointOptions
 from tierio.ckpt.ops import CheckpointInfo, gc, inspect, list_checkpoints, promote, unlock, verify
-from tierio.ckpt.reader import Problem, VerifyReport
-from tierio.ckpt.retention import AllOf, AnyOf, KeepAll, KeepEvery, KeepLast, KeepWithin, Retention, gc_plan, parse_retention
+from tierio.ckpt.steps.reader import Problem, VerifyReport
+from tierio.ckpt.steps.retention import AllOf, AnyOf, KeepAll, KeepEvery, KeepLast, KeepWithin, Retention, gc_plan, parse_retention
 from tierio.ckpt.rng import rng_state, set_rng_state
 from tierio.ckpt.tier import Tier
 from tierio.format.slices import TensorSlice

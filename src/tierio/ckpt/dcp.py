@@ -8,7 +8,7 @@ DCP plans (which rank writes which slice, its resharding planner on load); tieri
 rank writes one safetensors shard of its write items and its record through the manager (staging
 buffer, O_DIRECT, xxh3 per chunk, node-local tier 0 published to the first shared tier), and DCP's
 coordinator commits the manifest in ``finish`` through the same commit protocol as
-``CheckpointManager.save`` (``ckpt.commit``). Promotion to slower tiers and retention follow on
+``CheckpointManager.save`` (``ckpt.steps.commit``). Promotion to slower tiers and retention follow on
 each rank's background thread. The checkpoint is an ordinary tierio checkpoint: every tensor is a
 global tensor named by its path, the manifest carries one state tree for the whole job, and
 ``CheckpointManager.restore`` reads it, as ``TierioReader`` reads checkpoints that
@@ -51,10 +51,10 @@ from tierio.io.untrusted import parsing
 from tierio.storage.base import Store
 
 from tierio.ckpt.manager import CheckpointManager
-from tierio.ckpt.promotion import Own
-from tierio.ckpt.reader import committed_steps, read_manifest
-from tierio.ckpt.reshard import Piece, Stored, Target, global_tensors, own_tensors
-from tierio.ckpt.restore import Loaded, Source, own_rank, read_all
+from tierio.ckpt.promotion.cluster import Own
+from tierio.ckpt.steps.reader import committed_steps, read_manifest
+from tierio.ckpt.restore.reshard import Piece, Stored, Target, global_tensors, own_tensors
+from tierio.ckpt.restore.load import Loaded, Source, own_rank, read_all
 from tierio.ckpt.tier import Tier, as_tier, open_tier_store
 
 _STEP_ID = re.compile(r"(?:step_)?(\d{1,9})")

@@ -26,9 +26,9 @@ from tierio.storage.local import LocalStore
 from tierio.storage.url import open_store
 from tierio.stats import Stats
 
-from tierio.ckpt.reader import committed_steps, read_manifest
-from tierio.ckpt.reshard import Stored, Target, global_tensors, own_tensors
-from tierio.ckpt.restore import Loaded, Source, read_all
+from tierio.ckpt.steps.reader import committed_steps, read_manifest
+from tierio.ckpt.restore.reshard import Stored, Target, global_tensors, own_tensors
+from tierio.ckpt.restore.load import Loaded, Source, read_all
 
 INDEX = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 10**9  # the Hugging Face default

@@ -8,12 +8,12 @@ Pipeline of one ``save(step, state)``:
    exists);
 2. *persist* (background thread): xxh3 per chunk from memory, one large O_DIRECT write of the
    shard to tier 0, then the rank's record; on a shared tier 0 the commit protocol follows
-   (``ckpt.commit``: rank 0 commits ``manifest.json`` once every rank's record is listed). The
+   (``ckpt.steps.commit``: rank 0 commits ``manifest.json`` once every rank's record is listed). The
    staging buffer is free again as soon as the shard is written;
 3. *promote* (second background thread): on a node-local tier 0, each rank first copies its shard
    and record to the first shared tier, where rank 0 commits (the global commit); then every
    committed step is copied to each slower tier, verified, under the promotion bandwidth limit
-   (``ckpt.promotion``). A failed promotion leaves the faster copies in place and is retried.
+   (``ckpt.promotion.cluster``). A failed promotion leaves the faster copies in place and is retried.
 
 No collective runs on a background thread: ranks coordinate through the tiers. The caller's thread
 runs one collective at construction (the run id, and the node layout when a tier is node-local)
@@ -49,27 +49,27 @@ from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Store
 from tierio.units import human_bytes, parse_size
 
-from tierio.ckpt.commit import CommitPlan, Waiting, await_commit, build_manifest, commit, drop_record, write_record
-from tierio.ckpt.copy import CopyStats, copy_pool, copy_shard
-from tierio.ckpt.fill import fill_after_restore
-from tierio.ckpt.interval import IntervalPlan, check_mtbf, measured_cost, optimal_interval, save_due
-from tierio.ckpt.gc import TEMP_GRACE, GcOptions, GcTier, collect
-from tierio.ckpt.incremental import Base, diff
-from tierio.ckpt.lease import LeaseTiming
-from tierio.ckpt.tier_leases import TierLeases
-from tierio.ckpt.lineage import Lineage, Rollback
-from tierio.ckpt.buddy import Buddy
-from tierio.ckpt.buddy_restore import agree as agree_node_copies
-from tierio.ckpt.nodes import agree_job, gather, group_joined
+from tierio.ckpt.steps.commit import CommitPlan, Waiting, await_commit, build_manifest, commit, drop_record, write_record
+from tierio.ckpt.promotion.copy import CopyStats, copy_pool, copy_shard
+from tierio.ckpt.promotion.fill import fill_after_restore
+from tierio.ckpt.saving.interval import IntervalPlan, check_mtbf, measured_cost, optimal_interval, save_due
+from tierio.ckpt.steps.gc import TEMP_GRACE, GcOptions, GcTier, collect
+from tierio.ckpt.saving.incremental import Base, diff
+from tierio.ckpt.steps.lease import LeaseTiming
+from tierio.ckpt.steps.tier_leases import TierLeases
+from tierio.ckpt.steps.lineage import Lineage, Rollback
+from tierio.ckpt.promotion.buddy import Buddy
+from tierio.ckpt.promotion.buddy_restore import agree as agree_node_copies
+from tierio.ckpt.promotion.nodes import agree_job, gather, group_joined
 from tierio.ckpt.options import CheckpointOptions
-from tierio.ckpt.overlap import Overlap
-from tierio.ckpt.promotion import Cluster, Own, commit_on, promote_step, publish
-from tierio.ckpt.reader import VerifyReport, committed_steps, read_manifest, verify_copy
-from tierio.ckpt import recovery
-from tierio.ckpt.restore import Source
-from tierio.ckpt.retention import wanted
-from tierio.ckpt.saving import SaveHandle, Staged, check_space, check_tiers, to_write
-from tierio.ckpt.stage import Stager
+from tierio.ckpt.saving.overlap import Overlap
+from tierio.ckpt.promotion.cluster import Cluster, Own, commit_on, promote_step, publish
+from tierio.ckpt.steps.reader import VerifyReport, committed_steps, read_manifest, verify_copy
+from tierio.ckpt.restore import recovery
+from tierio.ckpt.restore.load import Source
+from tierio.ckpt.steps.retention import wanted
+from tierio.ckpt.saving.job import SaveHandle, Staged, check_space, check_tiers, to_write
+from tierio.ckpt.saving.stage import Stager
 from tierio.ckpt.tier import Tier, TierState, as_tier, open_tier_store
 
 log = logging.getLogger("tierio.ckpt")
@@ -147,7 +147,7 @@ class CheckpointManager:
         self._scan = self._promote_pool.submit(self._find_unpromoted)
 
     def _setup_buddy(self, promote_rate: float | None) -> Buddy:
-        """Buddy copies (``ckpt.buddy``): the pairing and the buddy group, made here, in the caller's thread."""
+        """Buddy copies (``ckpt.promotion.buddy``): the pairing and the buddy group, made here, in the caller's thread."""
         opts, t0 = self.options, self._tiers[0]
         if not t0.node_local:
             raise ConfigError("buddy=True copies each node's tier 0 to another node: it needs a node-local tier 0, "
@@ -219,7 +219,7 @@ class CheckpointManager:
         return optimal_interval(cost.blocking_s, mtbf, cost.write_s)
 
     def should_save(self, step: int, *, now: float | None = None) -> bool:
-        """Whether to save ``step`` now, for the least expected work lost (``ckpt.interval``): True at
+        """Whether to save ``step`` now, for the least expected work lost (``ckpt.saving.interval``): True at
         the first call (that save measures the cost), then once Young/Daly's interval has gone by
         since the previous save returned, never while a save still persists or for a step already
         in flight. With a process group every rank must call it for the same steps: the ranks
@@ -267,7 +267,7 @@ class CheckpointManager:
     def _staged(self, step: int, tensors: dict[str, torch.Tensor], places: dict[str, Placement], tree: Any,
                 rollback: Rollback | None, handle: SaveHandle, overlap: bool = False) -> Staged:
         """Lay out the shard and copy it into a staging buffer (the part a save blocks for; with
-        ``overlap``, the large tensors are copied behind, ``ckpt.overlap``)."""
+        ``overlap``, the large tensors are copied behind, ``ckpt.saving.overlap``)."""
         meta = {"tierio.step": str(step), "tierio.rank": str(self.rank), "tierio.world_size": str(self.world_size)}
         layout = plan_shard(tensors, meta)
         need = handle.bytes = layout.total_bytes
@@ -302,7 +302,7 @@ class CheckpointManager:
                 self._saved_since_restore.add(step)
         return Staged(layout, tree, places, buf, rollback, snapshot=snapshot)
 
-    # -- zero-stall snapshots (ckpt.overlap) -----------------------------------------------------
+    # -- zero-stall snapshots (ckpt.saving.overlap) -----------------------------------------------------
     def before_update(self) -> None:
         """Wait for the copies of overlapped saves (``overlap=True``) before the saved tensors
         change, and give each its verdict: call it before an update in loops without a torch
@@ -432,16 +432,16 @@ class CheckpointManager:
         comes from the first tier with a good copy (a node-local tier first); a bad or missing copy
         is skipped with a warning naming it. Global tensors (saved as DTensors or TensorSlices)
         restore into any world size and placement: pass DTensors or TensorSlices in ``into=`` to
-        receive the part they hold, or nothing to receive whole tensors (ckpt.restore). With
+        receive the part they hold, or nothing to receive whole tensors (ckpt.restore.load). With
         ``into=``, tensors are filled in place where shapes match. On another world size, plain
         tensors that differ between the saved ranks are refused unless ``per_rank="own"``.
 
         Tensors restored into new memory (no ``into=`` target) are copy-on-write maps of the shard
         files where a local or shared-filesystem tier holds them whole, populated in parallel and
-        verified before this returns (ckpt.mapped); ``mapped=False`` reads them into private memory.
+        verified before this returns (ckpt.restore.mapped); ``mapped=False`` reads them into private memory.
 
         Saving after a restore of an older step is a rollback: the first save retires the steps after
-        it on every tier (see ``tierio.ckpt.lineage``)."""
+        it on every tier (see ``tierio.ckpt.steps.lineage``)."""
         self._check_open()
         # Persists and global commits in flight land first (none may land after the rollback
         # point); promotions are not waited for, so a stalled slower tier never holds up a restore.
@@ -461,7 +461,7 @@ class CheckpointManager:
         self._note_restore(got.step, got.url)
         self._last_restore = {"step": got.step, "from": got.url, **got.stats.to_dict()}
         fill = fill_after_restore(self._tiers, got.step, got.url, self.world_size)
-        if fill is not None:  # read from S3: copy it into tier 0 behind, for the next restore (ckpt.fill)
+        if fill is not None:  # read from S3: copy it into tier 0 behind, for the next restore (ckpt.promotion.fill)
             self._last_restore["fill"] = fill.dst.url
             self._promote_pool.submit(fill.run)
         events.emit(events.CheckpointRestored(got.step, got.url, time.perf_counter() - started))
@@ -517,7 +517,7 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Wait for every save in flight (persist and promotion; an overlapped save's verdict first,
-        ``ckpt.overlap``); raises a background persist failure."""
+        ``ckpt.saving.overlap``); raises a background persist failure."""
         try:
             self._settle()
         finally:
@@ -611,7 +611,7 @@ class CheckpointManager:
     # -- background: persist ---------------------------------------------------------------------
     def _persist(self, handle: SaveHandle, job: Staged) -> None:
         """The persist thread's first part: this rank's shard of the step on tier 0. An overlapped
-        save commits only once the caller's thread gave its snapshot's verdict (``ckpt.overlap``):
+        save commits only once the caller's thread gave its snapshot's verdict (``ckpt.saving.overlap``):
         the rest runs when it comes, on this thread again, so nothing here blocks on the caller."""
         start = time.perf_counter()
         try:
@@ -714,7 +714,7 @@ class CheckpointManager:
 
     def _write_shard(self, step: int, job: Staged, fname: str) -> tuple[int, dict[str, TensorInfo]]:
         """Write this rank's shard of ``step`` to tier 0; returns its size and tensors. An incremental
-        save with a base writes only the tensors that changed since it (``ckpt.incremental``)."""
+        save with a base writes only the tensors that changed since it (``ckpt.saving.incremental``)."""
         t0 = self._tiers[0]
         parts, view = job.parts()
         with self._lock:

@@ -26,14 +26,14 @@ from tierio.storage.url import open_store
 from tierio.units import parse_size
 from tierio.stats import Stats
 
-from tierio.ckpt.commit import read_records
-from tierio.ckpt.copy import CopyStats, copy_step
-from tierio.ckpt.gc import GcOptions, GcReport, GcTier, collect
-from tierio.ckpt.lease import Holder, tool_lease
-from tierio.ckpt.lease import unlock as unlock_lease
-from tierio.ckpt.lineage import Lineage
-from tierio.ckpt.reader import VerifyReport, committed_steps, read_manifest, step_dirs, verify_copy
-from tierio.ckpt.retention import Retention, parse_retention
+from tierio.ckpt.steps.commit import read_records
+from tierio.ckpt.promotion.copy import CopyStats, copy_step
+from tierio.ckpt.steps.gc import GcOptions, GcReport, GcTier, collect
+from tierio.ckpt.steps.lease import Holder, tool_lease
+from tierio.ckpt.steps.lease import unlock as unlock_lease
+from tierio.ckpt.steps.lineage import Lineage
+from tierio.ckpt.steps.reader import VerifyReport, committed_steps, read_manifest, step_dirs, verify_copy
+from tierio.ckpt.steps.retention import Retention, parse_retention
 
 
 @dataclass

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from tierio.options import Options
 
-from tierio.ckpt.commit import INLINE_RECORD_BYTES
+from tierio.ckpt.steps.commit import INLINE_RECORD_BYTES
 
 
 @dataclass(frozen=True)
@@ -20,23 +20,23 @@ class CheckpointOptions(Options):
     ``commit_timeout``: seconds a commit waits for every rank's shard; ``run_id``: this run's name in
     leases and manifests (default: a fresh one, agreed across ranks); ``break_lease``: take over a
     tier another run still leases; ``lease_expires``: seconds a tier's lease may stay unrenewed
-    before another run takes it over (default 120, or ``TIERIO_LEASE_EXPIRES``; ``ckpt.lease``);
+    before another run takes it over (default 120, or ``TIERIO_LEASE_EXPIRES``; ``ckpt.steps.lease``);
     ``node``: this rank's node, for node-local tiers (default: the host name; with a process
     group, ranks naming the same node share it); ``ranks_per_node``: without a process group,
     ranks sit on nodes in blocks of this many (default: torchrun's LOCAL_WORLD_SIZE, else one
     node); ``inline_record_bytes``: rank records up to this many bytes together are merged into the
     manifest, larger ones are referenced; ``mtbf``: the job's mean time
     between failures in seconds, which turns on ``CheckpointManager.should_save`` (Young/Daly's
-    interval from the measured cost of saves, ``ckpt.interval``); ``overlap``: zero-stall snapshots,
+    interval from the measured cost of saves, ``ckpt.saving.interval``); ``overlap``: zero-stall snapshots,
     ``save`` returns before the large tensors are copied and the next update waits for the copy
-    (``attach(optimizer)`` or ``before_update()``; the rule the caller keeps: ``ckpt.overlap``);
+    (``attach(optimizer)`` or ``before_update()``; the rule the caller keeps: ``ckpt.saving.overlap``);
     ``buddy``: with a node-local tier 0, each rank also sends its part of every step to the rank of
     the same local index on the next node, which keeps it on its tier 0, so that a lost node's
-    ranks restore from it before the step reaches the shared tier (``ckpt.buddy``);
+    ranks restore from it before the step reaches the shared tier (``ckpt.promotion.buddy``);
     ``buddy_bandwidth``: limit on what each rank sends to its buddy (bytes/s or text; default the
     ``promote_bandwidth``, 0: no limit);
     ``incremental``: a save writes only the tensors that changed since the last step this manager
-    committed, the manifest refers to the earlier shards for the others (``ckpt.incremental``)."""
+    committed, the manifest refers to the earlier shards for the others (``ckpt.saving.incremental``)."""
 
     memory_budget_bytes: int | str | None = None
     double_buffer: bool = False

@@ -10,7 +10,7 @@ from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Store
 from tierio.storage.url import open_store
 
-from tierio.ckpt.retention import Retention
+from tierio.ckpt.steps.retention import Retention
 
 
 SCOPES = ("shared", "node")

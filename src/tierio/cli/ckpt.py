@@ -126,7 +126,7 @@ def _store(url: str, *, create: bool = False) -> Iterator[Any]:
 
 
 def _latest(store: Any, url: str) -> int:
-    from tierio.ckpt.reader import committed_steps
+    from tierio.ckpt.steps.reader import committed_steps
 
     steps = committed_steps(store)
     if not steps:
@@ -135,7 +135,7 @@ def _latest(store: Any, url: str) -> int:
 
 
 def _manifest(store: Any, url: str, step: int):
-    from tierio.ckpt.reader import read_manifest
+    from tierio.ckpt.steps.reader import read_manifest
     from tierio.format.shard import manifest_key
 
     if not store.exists(manifest_key(step)):
@@ -159,8 +159,8 @@ def _summary(man: Any) -> dict[str, Any]:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     from tierio.ckpt import list_checkpoints
-    from tierio.ckpt.reader import step_dirs
-    from tierio.ckpt.refs import reference_only
+    from tierio.ckpt.steps.reader import step_dirs
+    from tierio.ckpt.steps.refs import reference_only
 
     with _store(args.url) as store:
         infos = list_checkpoints(store)
@@ -199,7 +199,7 @@ def _lease(store: Any) -> dict[str, Any] | None:
     """Who leases the tier (a run writing it), as ls shows it."""
     import time
 
-    from tierio.ckpt.lease import LeaseTiming, read_lease
+    from tierio.ckpt.steps.lease import LeaseTiming, read_lease
     from tierio.errors import FormatError
 
     try:
@@ -277,8 +277,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from tierio.ckpt import verify
-    from tierio.ckpt.reader import step_dirs
-    from tierio.ckpt.refs import reference_only
+    from tierio.ckpt.steps.reader import step_dirs
+    from tierio.ckpt.steps.refs import reference_only
 
     reports = []
     with _store(args.url) as store:
@@ -320,9 +320,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_promote(args: argparse.Namespace) -> int:
     from tierio.ckpt import promote
-    from tierio.ckpt.lineage import same_copy
-    from tierio.ckpt.commit import read_manifest_bytes
-    from tierio.ckpt.reader import committed_steps
+    from tierio.ckpt.steps.lineage import same_copy
+    from tierio.ckpt.steps.commit import read_manifest_bytes
+    from tierio.ckpt.steps.reader import committed_steps
     from tierio.format.shard import manifest_key
 
     if args.step is not None and args.all:
@@ -363,7 +363,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     from tierio.ckpt.ops import collect_garbage
-    from tierio.ckpt.retention import parse_retention
+    from tierio.ckpt.steps.retention import parse_retention
 
     policy = parse_retention(args.keep)
     if args.min_keep < 0:

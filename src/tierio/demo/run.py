@@ -184,7 +184,7 @@ def _preflight(urls: list[str]) -> None:
 
 def _held_bytes(url: str) -> tuple[int, int]:
     """(checkpoint count, bytes) a tier holds now."""
-    from tierio.ckpt.reader import committed_in, step_dirs
+    from tierio.ckpt.steps.reader import committed_in, step_dirs
     from tierio.storage import open_store
 
     store = open_store(url)

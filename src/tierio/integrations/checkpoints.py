@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tierio.ckpt import CheckpointManager, CheckpointOptions, Tier
-from tierio.ckpt.retention import AnyOf, Retention
+from tierio.ckpt.steps.retention import AnyOf, Retention
 from tierio.ckpt.tier import as_tier
 from tierio.errors import ConfigError, NotFoundError, TierioError, UnstorableError
 from tierio.io.durable import write_json_atomic

@@ -200,7 +200,7 @@ def _async_note(background_s: float, window_s: float | None, interval_s: float) 
 
 
 # -- the commit's metadata load --------------------------------------------------------------------
-INLINE_RECORD_BYTES = 256 << 10  # tierio.ckpt.commit merges rank records into the manifest up to this
+INLINE_RECORD_BYTES = 256 << 10  # tierio.ckpt.steps.commit merges rank records into the manifest up to this
 RECORD_BYTES_PER_TENSOR = 190.0  # a record's JSON per tensor slice (name, dtype, shapes, range, xxh3, tree leaf)
 REF_BYTES_PER_RANK = 140.0  # a manifest line naming one rank's record
 LIST_PAGE = 1000  # keys per listing request on S3

@@ -209,7 +209,7 @@ def _interval(inp: PlanInputs, writes: list[checkpoint.WriteCost], planned_s: fl
     """Young/Daly's interval for the async strategy (blocking = the snapshot, bounded below by the
     background write) next to the planned one; the job's MTBF is given or one GPU's / GPUs."""
     # imported here: importing tierio.ckpt loads torch, which `tierio plan --help` must not pay for
-    from tierio.ckpt.interval import interval_at, optimal_interval
+    from tierio.ckpt.saving.interval import interval_at, optimal_interval
 
     mtbf = inp.mtbf_s if inp.mtbf_s is not None else inp.gpu_mtbf_s / inp.gpus
     snap = next(w for w in writes if w.strategy == "async")

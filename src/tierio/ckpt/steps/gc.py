@@ -1,4 +1,4 @@
-"""The one garbage collector of checkpoint tiers: CheckpointManager, ``ckpt.gc`` and ``tierio ckpt gc``.
+"""The one garbage collector of checkpoint tiers: CheckpointManager, ``ckpt.steps.gc`` and ``tierio ckpt gc``.
 
 From one listing per tier it removes, in this order:
 
@@ -16,7 +16,7 @@ From one listing per tier it removes, in this order:
 
 Deleting a step removes its manifest first, so an interrupted deletion never leaves something that
 looks like a checkpoint, and keeps the files another committed step on the same tier still refers to
-(incremental checkpoints, ``ckpt.refs``): its directory then holds only those, and goes as debris
+(incremental checkpoints, ``ckpt.steps.refs``): its directory then holds only those, and goes as debris
 once nothing refers to them. A tier that cannot be read to count references loses nothing. Stores never follow a link below their root, so nothing is deleted
 through one.
 """
@@ -32,9 +32,9 @@ from tierio.format.shard import manifest_key, step_dir
 from tierio.storage.base import Store
 from tierio.stats import Stats
 
-from tierio.ckpt.reader import commit_times, committed_in, committed_steps, step_dirs
-from tierio.ckpt.refs import referenced
-from tierio.ckpt.retention import Retention, gc_plan
+from tierio.ckpt.steps.reader import commit_times, committed_in, committed_steps, step_dirs
+from tierio.ckpt.steps.refs import referenced
+from tierio.ckpt.steps.retention import Retention, gc_plan
 
 log = logging.getLogger("tierio.ckpt")
 

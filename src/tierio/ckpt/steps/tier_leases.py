@@ -1,6 +1,6 @@
 """The leases one CheckpointManager holds on its tiers (``TierLeases``): taken before the first
 write, renewed by one thread, checked by every commit and retention pass. The protocol itself
-(generations, take-over, self-fencing) is ``ckpt.lease``."""
+(generations, take-over, self-fencing) is ``ckpt.steps.lease``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 from tierio.errors import ConfigError, FormatError, LeaseError, StorageError
 from tierio.storage.base import Store
 
-from tierio.ckpt.lease import NODE_LOCK, Holder, LeaseTiming, Seen, acquire, look, newest_generation, release, renew
+from tierio.ckpt.steps.lease import NODE_LOCK, Holder, LeaseTiming, Seen, acquire, look, newest_generation, release, renew
 
 log = logging.getLogger("tierio.ckpt")
 

@@ -10,7 +10,7 @@
 ``gc_plan`` turns per-tier policies into deletions while enforcing the safety rules: never
 delete the newest checkpoint, never delete the only copy of a step that some tier still wants (a
 promotion may be pending), and keep at least ``min_keep`` distinct valid checkpoints across all
-tiers. ``ckpt.gc.collect`` carries the plan out.
+tiers. ``ckpt.steps.gc.collect`` carries the plan out.
 """
 
 from __future__ import annotations

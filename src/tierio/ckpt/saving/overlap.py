@@ -45,7 +45,7 @@ from tierio.errors import SnapshotChangedError
 from tierio.format.shard import ShardLayout
 from tierio.io.buffers import HostBuffer
 
-from tierio.ckpt.stage import Stager
+from tierio.ckpt.saving.stage import Stager
 
 SYNC_BYTES = 64 << 10  # host tensors up to this size are copied in save() itself
 

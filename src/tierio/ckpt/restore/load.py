@@ -45,12 +45,12 @@ from tierio.io.untrusted import parsing
 from tierio.stats import Stats
 from tierio.storage.base import where
 
-from tierio.ckpt.commit import read_record
-from tierio.ckpt.mapped import map_all, placed
-from tierio.ckpt.reader import check_shard
-from tierio.ckpt.refs import no_good_copy
-from tierio.ckpt.reshard import Stored, Target, global_tensors, own_tensors, plan_reads, read_file
-from tierio.ckpt.source import Source
+from tierio.ckpt.steps.commit import read_record
+from tierio.ckpt.restore.mapped import map_all, placed
+from tierio.ckpt.steps.reader import check_shard
+from tierio.ckpt.steps.refs import no_good_copy
+from tierio.ckpt.restore.reshard import Stored, Target, global_tensors, own_tensors, plan_reads, read_file
+from tierio.ckpt.restore.source import Source
 
 __all__ = ["Loaded", "RestoreStats", "Restored", "Source", "load_state", "own_rank", "read_all"]
 
@@ -170,7 +170,7 @@ def global_want(name: str, stored: Stored, into: Any) -> _Want:
 @dataclass
 class RestoreStats(Stats):
     """How a restore moved its bytes: ``mapped_bytes`` became copy-on-write maps of local shard
-    files (new memory, ckpt.mapped), ``read_bytes`` were read into tensors (in place, or tensors
+    files (new memory, ckpt.restore.mapped), ``read_bytes`` were read into tensors (in place, or tensors
     that no single local file holds whole)."""
 
     mapped_bytes: int = 0
@@ -215,7 +215,7 @@ def load_state(manifest: Manifest, rank: int, into: Any, sources: Sequence[Sourc
                per_rank: str = "strict", map_files: bool = True) -> Restored:
     """Rank ``rank``'s state of ``manifest`` in a job of ``world_size`` ranks (default: the saved
     number), every byte verified, from the first good source of each file. Tensors restored into
-    new memory are maps of local shard files where they lie whole in one (``map_files``; ckpt.mapped)."""
+    new memory are maps of local shard files where they lie whole in one (``map_files``; ckpt.restore.mapped)."""
     t0 = time.perf_counter()
     if per_rank not in PER_RANK:
         raise ConfigError(f"per_rank={per_rank!r} must be one of {', '.join(PER_RANK)}")

@@ -10,7 +10,7 @@ only the changed tensors, written straight from the staging buffer (no copy).
 The detection runs on the persist thread: one xxh3 pass over the staged bytes (the checksums the
 manifest needs anyway), compared with the base entry's. The base step stays protected from
 retention until the step referring to it is committed; after that the references protect its
-files (``ckpt.refs``).
+files (``ckpt.steps.refs``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""References between the steps of an incremental checkpoint (``ckpt.incremental``), counted.
+"""References between the steps of an incremental checkpoint (``ckpt.saving.incremental``), counted.
 
 A step's chunks may lie in a shard of an earlier step (``step_<n>/rank_<r>.safetensors``). Deleting
 a step (retention, ``gc``, ``delete_step``, a rollback) removes its manifest and every file of its
@@ -17,8 +17,8 @@ from tierio.errors import DanglingReferenceError, FormatError, IntegrityError, T
 from tierio.format.manifest import Manifest, RankEntry, ref_step
 from tierio.storage.base import Store
 
-from tierio.ckpt.commit import read_record
-from tierio.ckpt.reader import committed_in, read_manifest
+from tierio.ckpt.steps.commit import read_record
+from tierio.ckpt.steps.reader import committed_in, read_manifest
 
 log = logging.getLogger("tierio.ckpt")
 

@@ -22,7 +22,7 @@ Restore: a step that is not on the shared tier yet is restorable when each rank'
 (of one run) is on its node's tier 0 or held by a buddy, with the world size of the save. The
 holder sends the copy to the rank over the buddy group (in the caller's thread, every rank taking
 part); the rank verifies it and writes it back to its node's (new) tier 0, then reads as usual
-(``ckpt.buddy_restore``).
+(``ckpt.promotion.buddy_restore``).
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Store, read_bytes
 from tierio.units import fmt_bytes
 
-from tierio.ckpt.commit import check_record
-from tierio.ckpt.copy import verify_chunks
-from tierio.ckpt.retention import Retention, wanted
+from tierio.ckpt.steps.commit import check_record
+from tierio.ckpt.promotion.copy import verify_chunks
+from tierio.ckpt.steps.retention import Retention, wanted
 
 log = logging.getLogger("tierio.ckpt")
 
@@ -319,7 +319,7 @@ class Buddy:
                 self.store.delete_prefix(f"{prefix}{step_dir(s)}/")
 
     def retire_after(self, after: int, saved: set[int]) -> None:
-        """The rollback rule (``ckpt.lineage``) for kept copies: after a restore of ``after``, the
+        """The rollback rule (``ckpt.steps.lineage``) for kept copies: after a restore of ``after``, the
         copies of later steps belong to the abandoned branch (but those of ``saved``, the new
         branch's). Once per restore; the node's leader calls it."""
         if after in self._retired:

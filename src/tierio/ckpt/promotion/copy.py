@@ -15,9 +15,9 @@ from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Store, list_sizes, read_bytes, where
 from tierio.stats import Stats
 
-from tierio.ckpt.commit import Fence, put_manifest, read_record
-from tierio.ckpt.lineage import manifest_on
-from tierio.ckpt.reader import read_manifest_raw
+from tierio.ckpt.steps.commit import Fence, put_manifest, read_record
+from tierio.ckpt.steps.lineage import manifest_on
+from tierio.ckpt.steps.reader import read_manifest_raw
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Restoring from buddy copies: what each rank holds of which step on its tier 0 (``inventory``),
 the steps every rank's part can be gathered for (``plan_steps``), fetching the parts a rank lacks
 (``fetch_step``) and the manifest of a step found only on node tiers (``NodeCopies``). Sending the
-copies is ``ckpt.buddy``."""
+copies is ``ckpt.promotion.buddy``."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from tierio.format.manifest import Manifest, check_globals, utc_now
 from tierio.format.shard import parse_record_name, parse_step_dir, shard_name, step_dir, step_key
 from tierio.storage.base import Store, list_sizes, read_bytes
 
-from tierio.ckpt.buddy import BUDDY_DIR, Buddy, Parcel, check_parcel, parcel_room, read_parcel, store_parcel, transfer
-from tierio.ckpt.commit import check_record
-from tierio.ckpt.nodes import gather
-from tierio.ckpt.reader import step_dirs
+from tierio.ckpt.promotion.buddy import BUDDY_DIR, Buddy, Parcel, check_parcel, parcel_room, read_parcel, store_parcel, transfer
+from tierio.ckpt.steps.commit import check_record
+from tierio.ckpt.promotion.nodes import gather
+from tierio.ckpt.steps.reader import step_dirs
 
 log = logging.getLogger("tierio.ckpt")
 

@@ -19,11 +19,11 @@ from tierio.io.buffers import HostBuffer
 from tierio.units import human_bytes
 from tierio.handle import Handle
 
-from tierio.ckpt.lineage import Rollback
+from tierio.ckpt.steps.lineage import Rollback
 from tierio.ckpt.tier import Tier, TierState
 
 if TYPE_CHECKING:
-    from tierio.ckpt.overlap import Snapshot
+    from tierio.ckpt.saving.overlap import Snapshot
 
 CAPACITY_WARN = 0.80
 

@@ -1,5 +1,5 @@
 """Copying a save's tensors into staging buffers (``Stager``): the one step both a plain save
-(``ckpt.saving``) and a save copied behind the caller (``ckpt.overlap``) share."""
+(``ckpt.saving.job``) and a save copied behind the caller (``ckpt.saving.overlap``) share."""
 
 from __future__ import annotations
 

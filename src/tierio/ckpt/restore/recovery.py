@@ -8,7 +8,7 @@ process group each rank chooses alone.
 
 For one step, the manifest comes from the fastest shared tier whose copy reads; a tier whose copy
 is unusable is passed over with a warning naming it. Files come from the node's local tiers first
-(ckpt.restore). With buddy copies (``ckpt.buddy``), a step no shared tier holds yet may come from
+(ckpt.restore.load). With buddy copies (``ckpt.promotion.buddy``), a step no shared tier holds yet may come from
 the nodes' tier 0 copies: its manifest is then built from every rank's record.
 """
 
@@ -24,10 +24,10 @@ from tierio import events
 from tierio.errors import ConfigError, DanglingReferenceError, FormatError, IntegrityError, NotFoundError, StorageError
 from tierio.format.shard import manifest_key, shard_name
 
-from tierio.ckpt.buddy_restore import NodeCopies
-from tierio.ckpt.nodes import gather
-from tierio.ckpt.reader import read_manifest
-from tierio.ckpt.restore import RestoreStats, Source, load_state, own_rank
+from tierio.ckpt.promotion.buddy_restore import NodeCopies
+from tierio.ckpt.promotion.nodes import gather
+from tierio.ckpt.steps.reader import read_manifest
+from tierio.ckpt.restore.load import RestoreStats, Source, load_state, own_rank
 from tierio.ckpt.tier import TierState
 
 log = logging.getLogger("tierio.ckpt")

@@ -1,6 +1,6 @@
 """Reading checkpoints from one store: listings, manifests, shard checks and verification.
 
-(Restoring state is ``ckpt.restore``; which chunks a restore reads is ``ckpt.reshard``.)
+(Restoring state is ``ckpt.restore.load``; which chunks a restore reads is ``ckpt.restore.reshard``.)
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tierio.io.checksum import xxh3
 from tierio.storage.base import Store, read_bytes, where
 from tierio.stats import Stats
 
-from tierio.ckpt.commit import read_manifest_bytes, read_record
+from tierio.ckpt.steps.commit import read_manifest_bytes, read_record
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ from tierio.io.checksum import xxh3
 from tierio.io.untrusted import Fields
 from tierio.storage.base import Store
 
-from tierio.ckpt.gc import delete_step
-from tierio.ckpt.commit import read_manifest_bytes
-from tierio.ckpt.reader import committed_steps, step_dirs
+from tierio.ckpt.steps.gc import delete_step
+from tierio.ckpt.steps.commit import read_manifest_bytes
+from tierio.ckpt.steps.reader import committed_steps, step_dirs
 
 log = logging.getLogger("tierio.ckpt")
 

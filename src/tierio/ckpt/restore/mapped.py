@@ -10,7 +10,7 @@ every chunk's xxh3 is checked as soon as its last window is in, while the next w
 tensors are writable: a page is copied the first time it is written (copy-on-write).
 
 Tensors spread over several files (a resharding restore onto fewer ranks), and files on a store
-that is not a local directory (S3), are read as before into fresh tensors (ckpt.reshard).
+that is not a local directory (S3), are read as before into fresh tensors (ckpt.restore.reshard).
 A copy whose chunk fails its checksum while populating is dropped and the next source is mapped.
 """
 
@@ -38,10 +38,10 @@ from tierio.storage.local import LocalStore
 from tierio.units import MiB
 from tierio.storage.base import where
 
-from tierio.ckpt.reader import check_shard
-from tierio.ckpt.refs import no_good_copy
-from tierio.ckpt.reshard import Stored, Target, contiguous_at, cover
-from tierio.ckpt.source import Source
+from tierio.ckpt.steps.reader import check_shard
+from tierio.ckpt.steps.refs import no_good_copy
+from tierio.ckpt.restore.reshard import Stored, Target, contiguous_at, cover
+from tierio.ckpt.restore.source import Source
 
 log = logging.getLogger("tierio.ckpt")
 

@@ -4,7 +4,7 @@ shared tier (the global commit), and promotion of committed steps to slower tier
 Both run on a manager's promotion thread and coordinate ranks through the destination store only:
 
 * **publication** (node-local tier 0): each rank copies its shard and its record from its node's
-  tier to the first shared tier, verifying every chunk, and the commit protocol (``ckpt.commit``)
+  tier to the first shared tier, verifying every chunk, and the commit protocol (``ckpt.steps.commit``)
   runs there: rank 0 commits the manifest once every rank's record is listed. That manifest is the
   step's global commit.
 * **promotion**: from the fastest shared tier holding the committed step, each rank copies its own
@@ -28,12 +28,12 @@ from tierio.io.checksum import xxh3
 from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Store, list_sizes
 
-from tierio.ckpt.commit import CommitPlan, Fence, Waiting, await_commit, build_manifest, commit, commit_step, poll_until, write_record
-from tierio.ckpt.copy import CopyStats, commit_copy, copy_rank, copy_shard, files_present
-from tierio.ckpt.tier_leases import TierLeases
-from tierio.ckpt.lineage import Lineage, Rollback, manifest_on
-from tierio.ckpt.nodes import NodeLayout
-from tierio.ckpt.reader import read_manifest_raw
+from tierio.ckpt.steps.commit import CommitPlan, Fence, Waiting, await_commit, build_manifest, commit, commit_step, poll_until, write_record
+from tierio.ckpt.promotion.copy import CopyStats, commit_copy, copy_rank, copy_shard, files_present
+from tierio.ckpt.steps.tier_leases import TierLeases
+from tierio.ckpt.steps.lineage import Lineage, Rollback, manifest_on
+from tierio.ckpt.promotion.nodes import NodeLayout
+from tierio.ckpt.steps.reader import read_manifest_raw
 from tierio.ckpt.tier import TierState
 
 log = logging.getLogger("tierio.ckpt")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from tierio.errors import TierioError
 from tierio.storage.local import LocalStore
 
-from tierio.ckpt.copy import CopyStats, copy_step
+from tierio.ckpt.promotion.copy import CopyStats, copy_step
 from tierio.ckpt.tier import TierState
 
 log = logging.getLogger("tierio.ckpt")

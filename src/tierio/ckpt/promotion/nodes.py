@@ -18,7 +18,7 @@ from typing import Any
 
 from tierio.errors import ConfigError
 
-from tierio.ckpt.lease import check_run_id, new_run_id
+from tierio.ckpt.steps.lease import check_run_id, new_run_id
 
 
 @dataclass(frozen=True)

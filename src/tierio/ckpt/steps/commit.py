@@ -37,7 +37,7 @@ from tierio.io.checksum import xxh3
 from tierio.io.engine import run_windows
 from tierio.storage.base import Store, list_sizes, read_bytes, where
 
-from tierio.ckpt.lease import GENERATION_FIELD
+from tierio.ckpt.steps.lease import GENERATION_FIELD
 
 log = logging.getLogger("tierio.ckpt")
 
@@ -234,7 +234,7 @@ def build_manifest(store: Store, plan: CommitPlan) -> Manifest:
     return Manifest(plan.step, plan.world_size, ranks, stamp, ts, extra, plan.tree)
 
 
-Fence = Callable[[], int]  # the leader's lease check: its generation, or LeaseError (ckpt.lease)
+Fence = Callable[[], int]  # the leader's lease check: its generation, or LeaseError (ckpt.steps.lease)
 
 
 def put_manifest(store: Store, step: int, raw: bytes, fence: Fence | None) -> None:

@@ -29,7 +29,7 @@ or broken lease, this run's own lease (a restarted rank 0), ``break_lease`` / ``
 unlock --force``, and, on a node-local tier, a free ``flock`` on ``tierio-lease.lock``: the leader
 holds it for the life of its process and the kernel drops it when the process dies.
 
-This module is the protocol, as plain functions over a ``Store``; ``ckpt.tier_leases.TierLeases``
+This module is the protocol, as plain functions over a ``Store``; ``ckpt.steps.tier_leases.TierLeases``
 is what a manager holds: its tiers' leases, their renewal thread and the fence of every commit.
 
 **Stores that ignore conditions.** Before its first lease on a store, a process creates a probe

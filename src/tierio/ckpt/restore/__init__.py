@@ -1,0 +1,1 @@
+"""Restoring: which step and copy, the restore plan, resharding, mapped tensors."""

@@ -1,0 +1,1 @@
+"""Steps: the commit protocol, reading committed steps, references, lineage, leases, retention and gc."""
