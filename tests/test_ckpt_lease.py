@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tierio.ckpt import CheckpointManager, list_checkpoints, unlock, verify
-from tierio.ckpt import lease as lease_mod
+from tierio.ckpt.steps import lease as lease_mod
 from tierio.ckpt.steps.commit import put_manifest
 from tierio.ckpt.steps.lease import (
     GENERATION_FIELD, LEASE_PREFIX, Holder, LeaseTiming, acquire, check_conditions, generation_key, look, read_lease,
