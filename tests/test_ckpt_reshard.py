@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tierio.ckpt.restore import reshard
 from tierio.ckpt import (
     CheckpointManager,
     TensorSlice,
     inspect,
     list_checkpoints,
-    reshard,
     verify,
 )
 from tierio.cli.main import main
