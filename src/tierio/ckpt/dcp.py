@@ -44,7 +44,7 @@ from torch.futures import Future
 from tierio.errors import ConfigError, FormatError, NotFoundError
 from tierio.format.manifest import Manifest
 from tierio.format.safetensors import torch_dtype
-from tierio.format.shard import Placement, manifest_key, step_dir
+from tierio.format.shard import Placement, ShardBytes, manifest_key, step_dir
 from tierio.format.slices import Box
 from tierio.format.statetree import flatten, unflatten
 from tierio.io.untrusted import parsing
@@ -52,10 +52,14 @@ from tierio.storage.base import Store
 
 from tierio.ckpt.manager import CheckpointManager
 from tierio.ckpt.promotion.cluster import Own
+from tierio.ckpt.promotion.copy import copy_shard
+from tierio.ckpt.saving.job import SaveHandle, Staged, check_space
+from tierio.ckpt.steps.commit import CommitPlan, await_commit, build_manifest, commit, write_record
+from tierio.ckpt.steps.lineage import Lineage
 from tierio.ckpt.steps.reader import committed_steps, read_manifest
 from tierio.ckpt.restore.reshard import Piece, Stored, Target, global_tensors, own_tensors
 from tierio.ckpt.restore.load import Loaded, Source, own_rank, read_all
-from tierio.ckpt.tier import Tier, as_tier, open_tier_store
+from tierio.ckpt.tier import Tier, as_tier, commit_tier, open_tier_store
 
 _STEP_ID = re.compile(r"(?:step_)?(\d{1,9})")
 
@@ -126,6 +130,82 @@ def tree_from(leaves: list[tuple[tuple[str | int, ...], Any]]) -> Any:
     return build(root)
 
 
+# -- the manager's engine, driven by DCP ------------------------------------------------------------
+# DCP blocks while it saves and commits on its coordinator: these three calls drive the manager's
+# persister, promoter and step book directly, in DCP's thread, instead of through ``save``.
+
+def write_now(mgr: CheckpointManager, step: int, tensors: dict[str, torch.Tensor], places: dict[str, Placement]) -> Own:
+    """Write this rank's shard and record of ``step`` now, in this thread, and when tier 0 is
+    node-local copy them to the first shared tier too (``write_data``). ``places`` places the
+    global tensors' slices; the step is committed by ``commit_now``."""
+    mgr._check_open()
+    persister, book, tiers, cluster = mgr._persister, mgr._book, mgr._tiers, mgr._cluster
+    rollback = persister.check(step)
+    if all(t.device.type == "cpu" and t.is_contiguous() for t in tensors.values()):
+        # The tensors go out through the writer's bounce buffers, copied while earlier requests
+        # are in flight, instead of all staged first: they do not change while DCP saves.
+        layout = persister.layout(step, tensors)
+        book.raise_error()
+        check_space(tiers[0], layout.total_bytes, step, mgr.rank)
+        book.start(step)
+        book.started(step, rollback)
+        job = Staged(layout, None, places, None, rollback, ShardBytes(layout, tensors))
+    else:
+        job = persister.stage(step, tensors, places, None, rollback, SaveHandle(step))
+    own: Own | None = None
+    try:
+        own, lineage = persister.write(step, job, True)
+        if tiers[0].node_local:
+            shared = commit_tier(tiers)
+            cluster.ensure(shared)
+            book.account(shared, copy_shard(tiers[0].store, shared.store, step, own.entry, cluster.pool,
+                                            cluster.limiter))
+            write_record(shared.store, step, mgr.world_size, own.entry, lineage.token)
+    except BaseException:
+        persister.cleanup_failed(step, own)
+        book.end(step)
+        raise
+    return own
+
+
+def commit_now(mgr: CheckpointManager, step: int, parts: dict[int, Own], tree: Any) -> None:
+    """Commit ``step`` from every rank's part, with one job-wide state ``tree`` (``finish``, on the
+    coordinator)."""
+    store = commit_tier(mgr._tiers).store
+    rollback = mgr._book.rollback()
+    lineage = Lineage(mgr._cluster.run(), rollback.after if rollback is not None else None)
+    plan = CommitPlan(step, mgr.world_size, {r: p.record for r, p in parts.items() if p.record is not None},
+                      {r: p.entry.bytes for r, p in parts.items()}, lineage.extra(),
+                      {r: p.entry for r, p in parts.items()}, tree, mgr.options.inline_record_bytes)
+    commit(store, build_manifest(store, plan), [p.record.name for p in parts.values() if p.record is not None],
+           mgr._cluster.fence(store))
+
+
+def track(mgr: CheckpointManager, step: int, own: Own) -> SaveHandle:
+    """After ``write_now``: wait for the commit of ``step`` and promote this rank's part of it, in
+    the background, like a save's."""
+    book, promoter = mgr._book, mgr._promoter
+    handle = SaveHandle(step, bytes=own.entry.bytes)
+    handle.staged.set_result(step)
+    handle.persisted.set_result(step)
+    book.add(handle, log=False)
+
+    def run() -> None:
+        try:
+            await_commit(commit_tier(mgr._tiers).store, step, own.entry, own.record, mgr._cluster.wait)
+            handle.committed.set_result(step)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the handle
+            book.end(step)
+            handle.fail(exc)
+            return
+        if len(mgr._tiers) > 1:
+            promoter.run([step], handle, False)
+        else:
+            promoter.done(step, handle)
+    promoter.submit(run)
+    return handle
+
+
 class TierioWriter(StorageWriter):
     """A DCP StorageWriter that saves ``step`` through ``manager`` (its tiers, leases, retention).
 
@@ -175,8 +255,8 @@ class TierioWriter(StorageWriter):
             tensors[name] = data.detach()
             places[name] = Placement(tuple(item.tensor_data.chunk.offsets), tuple(item.tensor_data.size))
             leaves.append((path, {"__global__": name}))
-        own = self.manager.write_now(self.step, tensors, places)
-        self.handle = self.manager.track(self.step, own)
+        own = write_now(self.manager, self.step, tensors, places)
+        self.handle = track(self.manager, self.step, own)
         part = RankPart(self.manager.rank, own, leaves)
         results = [WriteResult(item.index, item.tensor_storage_size() or 0, part if i == 0 else None)
                    for i, item in enumerate(plan.items)]
@@ -197,7 +277,7 @@ class TierioWriter(StorageWriter):
         if missing:
             raise ConfigError(f"DCP finished step {self.step} without the writes of ranks {missing}; nothing committed")
         tree = tree_from([leaf for r in sorted(parts) for leaf in parts[r].leaves])
-        self.manager.commit_now(self.step, {r: p.own for r, p in parts.items()}, tree)
+        commit_now(self.manager, self.step, {r: p.own for r, p in parts.items()}, tree)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=str(self.step) if self.step is not None else None)

@@ -69,3 +69,15 @@ class TierState:
     @property
     def node_local(self) -> bool:
         return self.tier.node_local
+
+    def to_dict(self) -> dict:
+        """What was written here (``CheckpointManager.stats()["tiers"]``) and how restores read it."""
+        way = getattr(self.store, "read_path", None)  # a local directory: O_DIRECT or buffered, as measured
+        return {"url": self.url, "scope": self.tier.scope, "bytes_written": self.bytes, "seconds": self.seconds,
+                "files": self.files, "gb_per_s": self.bytes / self.seconds / 1e9 if self.seconds else 0.0,
+                "read_path": {**way().to_dict(), "bounced": way(bounced=True).to_dict()} if callable(way) else None}
+
+
+def commit_tier(tiers: list[TierState]) -> TierState:
+    """Where a step is committed: tier 0, or the first shared tier after node-local ones."""
+    return next(ts for ts in tiers if not ts.node_local)

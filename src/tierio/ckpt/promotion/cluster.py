@@ -63,6 +63,12 @@ class Cluster:
         """The lease check of this rank's commits and deletions on ``store`` (``TierLeases.fence``)."""
         return lambda: self.leases.fence(store)
 
+    def run(self) -> str:
+        """This run's id, as the lease check set it (before any write)."""
+        run = self.leases.run
+        assert run is not None, "the lease check sets the run id before any write"
+        return run
+
 
 @dataclass(frozen=True)
 class Own:

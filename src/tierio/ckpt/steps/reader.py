@@ -18,6 +18,7 @@ from tierio.storage.base import Store, read_bytes, where
 from tierio.stats import Stats
 
 from tierio.ckpt.steps.commit import read_manifest_bytes, read_record
+from tierio.ckpt.tier import TierState
 
 log = logging.getLogger(__name__)
 
@@ -191,3 +192,30 @@ def _verify_files(store: Store, man: Manifest, report: VerifyReport, chunk_buf_b
                 except TierioError as exc:
                     report.problems.append(Problem(tier, ckey, cname, str(exc)))
 
+
+
+def steps_on(tiers: list[TierState]) -> list[int]:
+    """Committed steps on any shared tier (a node's copies are committed where the manifest is);
+    an unreachable tier is skipped with a warning."""
+    out: set[int] = set()
+    for ts in tiers:
+        if ts.node_local:
+            continue
+        try:
+            out.update(committed_steps(ts.store))
+        except StorageError as exc:
+            log.warning("cannot list %s: %s", ts.url, exc)
+    return sorted(out)
+
+
+def verify_tiers(tiers: list[TierState], step: int) -> VerifyReport:
+    """Every tier's copy of ``step`` checked byte for byte (on a node-local tier, this node's files
+    of it, against the manifest of the first shared tier holding one)."""
+    report = VerifyReport(step)
+    shared = [ts for ts in tiers if not ts.node_local]
+    for ts in tiers:
+        man = None
+        if ts.node_local:
+            man = next((read_manifest(s.store, step) for s in shared if s.store.exists(manifest_key(step))), None)
+        verify_copy(ts.store, step, report, manifest=man)
+    return report
