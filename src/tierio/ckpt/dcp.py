@@ -58,7 +58,9 @@ from tierio.ckpt.steps.commit import CommitPlan, await_commit, build_manifest, c
 from tierio.ckpt.steps.lineage import Lineage
 from tierio.ckpt.steps.reader import committed_steps, read_manifest
 from tierio.ckpt.restore.reshard import Piece, Stored, Target, global_tensors, own_tensors
-from tierio.ckpt.restore.load import Loaded, Source, own_rank, read_all
+from tierio.ckpt.restore.load import read_all
+from tierio.ckpt.restore.plan import Loaded, own_rank
+from tierio.ckpt.restore.source import Source
 from tierio.ckpt.tier import Tier, as_tier, commit_tier, open_tier_store
 
 _STEP_ID = re.compile(r"(?:step_)?(\d{1,9})")

@@ -28,7 +28,9 @@ from tierio.stats import Stats
 
 from tierio.ckpt.steps.reader import committed_steps, read_manifest
 from tierio.ckpt.restore.reshard import Stored, Target, global_tensors, own_tensors
-from tierio.ckpt.restore.load import Loaded, Source, read_all
+from tierio.ckpt.restore.load import read_all
+from tierio.ckpt.restore.plan import Loaded
+from tierio.ckpt.restore.source import Source
 
 INDEX = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 10**9  # the Hugging Face default
