@@ -50,6 +50,7 @@ from tierio.storage.cache import CacheOptions, FillPlan, NodeCache, entry_name, 
 from tierio.weights import engine
 from tierio.weights.engine import Progress
 from tierio.weights.loader import LoadStats, ReadSpec, Timer, as_device, load_resolved
+from tierio.weights.options import LoadOptions
 # The record moved to weights.record; its names stay importable from here.
 from tierio.weights.record import (KINDS, MAX_FILES, RECORD, RECORD_LIMIT, SUM_WINDOW, VERSION,  # noqa: F401
                                    CacheRecord, FileRecord, checksum_hook, stale_reason)
@@ -341,12 +342,14 @@ class WeightCache:
         return self.node.usage().present
 
     # -- public API ---------------------------------------------------------------------------
-    def fetch(self, url: str | Path, *, stats: LoadStats | None = None, progress: Progress | None = None) -> Path:
-        """Make sure ``url`` is cached; returns the local path to load from. ``progress(done, total)``
-        hears the download (not called on a hit)."""
-        stats = stats if stats is not None else LoadStats()
+    def fetch(self, url: str | Path, options: LoadOptions | None = None, **overrides: Any) -> Path:
+        """Make sure ``url`` is cached; returns the local path to load from. Of the
+        :class:`LoadOptions` (or keyword overrides), ``stats`` and ``progress(done, total)`` apply:
+        progress hears the download (it is not called on a hit)."""
+        o = LoadOptions.resolve(options, overrides)
+        stats = o.stats if o.stats is not None else LoadStats()
         with Timer(stats):
-            path, _ = self._through(_Request(self, str(url), None, stats, progress))
+            path, _ = self._through(_Request(self, str(url), None, stats, o.progress))
         return path
 
     def load(
@@ -355,26 +358,28 @@ class WeightCache:
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
         keys: list[str] | None = None,
+        options: LoadOptions | None = None,
         *,
-        stats: LoadStats | None = None,
         verify: str = "size",
-        mapped: bool = True,
-        progress: Progress | None = None,
+        **overrides: Any,
     ) -> dict[str, torch.Tensor]:
         """Load through the cache: from the local copy when present, else while filling it.
 
-        ``verify``: "size" (sizes and source freshness) or "full" (also every window's xxh3).
-        ``mapped``: as for :func:`tierio.weights.load`; CPU tensors are views of the cached files
-        (evicting or refreshing the entry later is safe: files are unlinked, never rewritten).
-        ``progress(done, total)``: the download on a miss, the local read on a hit.
+        ``verify``: "size" (sizes and source freshness) or "full" (also every window's xxh3). Of
+        the :class:`LoadOptions` (or keyword overrides): ``stats``; ``mapped`` as for
+        :func:`tierio.weights.load`, CPU tensors being views of the cached files (evicting or
+        refreshing the entry later is safe: files are unlinked, never rewritten); ``progress(done,
+        total)``: the download on a miss, the local read on a hit. Chunk size and depth are the
+        cache's own (``WeightCache(chunk_bytes=..., depth=...)``).
         """
         if verify not in ("size", "full"):
             raise ConfigError(f"verify must be 'size' or 'full', got {verify!r}")
-        stats = stats if stats is not None else LoadStats()
-        opts = ReadSpec(as_device(device), dtype, list(keys) if keys is not None else None, mapped=mapped,
-                           chunk_size=self.chunk_size, depth=self.depth)
+        o = LoadOptions.resolve(options, overrides)
+        stats = o.stats if o.stats is not None else LoadStats()
+        opts = ReadSpec(as_device(device), dtype, list(keys) if keys is not None else None, mapped=o.mapped,
+                        chunk_size=self.chunk_size, depth=self.depth)
         with Timer(stats):
-            _, out = self._through(_Request(self, str(url), CacheLoad(opts, verify), stats, progress))
+            _, out = self._through(_Request(self, str(url), CacheLoad(opts, verify), stats, o.progress))
         assert out is not None
         return out
 
