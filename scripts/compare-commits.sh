@@ -6,11 +6,12 @@
 # Usage: scripts/compare-commits.sh BASE [ROUNDS] [OUT]     e.g. scripts/compare-commits.sh b9cc987 2
 #   BASE    the commit to compare the working tree against
 #   ROUNDS  rounds (default 2)
-#   OUT     where the JSON of every run goes (default: a new temporary directory)
+#   OUT     where the JSON of every run goes (default: a new temporary directory); ROUND0=1 numbers
+#           the rounds 11, 12, ... so a second call adds rounds to the same OUT
 # Then: python3 scripts/compare-summary.py OUT     (a table of the ratios, base against this tree)
 #
 # The benchmarks: `tierio bench ckpt`, `bench weights` and `bench kv` at sizes that take a few
-# minutes each (override with BENCH_CKPT, BENCH_WEIGHTS, BENCH_KV).
+# minutes each (override with BENCH_CKPT, BENCH_WEIGHTS, BENCH_KV; BENCHES="ckpt kv" runs only those).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 base=${1:?usage: scripts/compare-commits.sh BASE [ROUNDS] [OUT]}
@@ -29,14 +30,14 @@ declare -A args=(
 )
 sides=("base:$tree/src" "head:$PWD/src")
 for ((r = 1; r <= rounds; r++)); do
-  for bench in ckpt weights kv; do
+  for bench in ${BENCHES:-ckpt weights kv}; do
     order=("${sides[@]}")
     (( (r + ${#bench}) % 2 )) && order=("${sides[1]}" "${sides[0]}")
     for side in "${order[@]}"; do
       name=${side%%:*} src=${side#*:}
       echo "round $r: bench $bench ($name)" >&2
       # shellcheck disable=SC2086 # the arguments are words
-      PYTHONPATH="$src" "$PY" -m tierio bench "$bench" ${args[$bench]} --json > "$out/$bench.$name.$r.json"
+      PYTHONPATH="$src" "$PY" -m tierio bench "$bench" ${args[$bench]} --json > "$out/$bench.$name.${ROUND0:-0}$r.json"
     done
   done
 done
