@@ -1,0 +1,176 @@
+"""Preemption: a scheduler's signal becomes one emergency save, durable before the process exits.
+
+SLURM sends SIGTERM (or, with ``--signal=USR1@120``, SIGUSR1 two minutes ahead) before it kills a
+job; torchelastic sends SIGTERM on scale-down. Without a handler everything since the last
+periodic save is lost. With one:
+
+    with CheckpointManager(tiers) as mgr, Preemption(mgr) as preempt:
+        for step in range(start, steps):
+            train_step()
+            if preempt.requested(step):
+                preempt.save(step, state)   # durable on the fastest tier, then the process exits
+
+* The **signal handler** only notes the signal: no I/O and no collective runs in it.
+* **One step for every rank.** At each step boundary (``requested``) a rank that has seen a signal
+  proposes the next step on the process group's TCPStore (``compare_set``: the first proposal
+  wins); every rank reads the key there (one ``check`` a step, no collective, nothing on a
+  background thread). Ranks of a data-parallel job are at most one step apart (each step holds a
+  collective), so a proposal of ``step + 1`` reaches every rank before it passes that step.
+  Without a process group the step is the current one.
+* **The emergency save** is an ordinary save of that step to the manager's tiers, waited for until
+  it is durable: persisted on tier 0, and committed when tier 0 is node-local (its global commit),
+  within ``grace_seconds``, the scheduler's grace period. Promotion to slower tiers is left to the
+  next run (its manager finds unpromoted steps). Then the process exits with ``exit_code``
+  (143, as SIGTERM's default would; ``requeue=True`` also asks SLURM to requeue the job from rank 0).
+* **A second signal** during the emergency save ends the process at once: the step being written is
+  not committed, and the previous durable step still restores.
+
+A signal that arrives while an earlier save is in flight leaves that save to complete or fail as
+any save does (a step is committed whole or not listed); the emergency save comes after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from tierio.errors import ConfigError
+from tierio.options import Options
+from tierio.stats import Stats
+
+from tierio.ckpt.manager import CheckpointManager
+from tierio.ckpt.saving.job import SaveHandle
+
+log = logging.getLogger("tierio.ckpt")
+
+
+@dataclass(frozen=True)
+class PreemptOptions(Options):
+    """``signals``: the names of the signals a scheduler sends; ``grace_seconds``: how long the
+    emergency save may take to be durable (the scheduler's grace period less a margin);
+    ``exit_code``: the process's exit once it is (None: ``save`` returns instead); ``requeue``:
+    rank 0 runs ``scontrol requeue $SLURM_JOB_ID`` before exiting, where SLURM runs the job."""
+
+    LABEL: ClassVar[str | None] = "Preemption"
+
+    signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+    grace_seconds: float = 60.0
+    exit_code: int | None = 143
+    requeue: bool = False
+
+
+@dataclass
+class PreemptStats(Stats):
+    """When the signal came, which step was saved for it, and the seconds from the signal to durable."""
+
+    signal: str | None = None
+    step: int | None = None
+    signal_to_durable_seconds: float | None = None
+
+
+class Preemption:
+    """Signal handlers for a CheckpointManager's job (see the module docstring). Install it in the
+    main thread, after the process group exists; ``close()`` (or the ``with`` block) puts the
+    previous handlers back."""
+
+    def __init__(self, manager: CheckpointManager, options: PreemptOptions | None = None, **overrides: Any) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise ConfigError("Preemption installs signal handlers: create it in the main thread")
+        self.manager = manager
+        self.options = opts = PreemptOptions.resolve(options, overrides)
+        names = [opts.signals] if isinstance(opts.signals, str) else list(opts.signals)
+        unknown = [n for n in names if not isinstance(getattr(signal, str(n), None), signal.Signals)]
+        if unknown or not names:
+            raise ConfigError(f"Preemption(signals=...) takes signal names such as 'SIGTERM' or 'SIGUSR1'; got {unknown or names}")
+        self.stats = PreemptStats()
+        self._seen: float | None = None  # time.monotonic() of the first signal
+        self._saving = False
+        self._agreed: int | None = None
+        self._store, self._key = _store_and_key(manager)
+        self._previous = {signal.Signals[n]: signal.signal(signal.Signals[n], self._on_signal) for n in names}
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self._saving:  # a second signal while the emergency save runs: leave now, nothing half-listed
+            print(f"tierio: {name} again during the emergency save: exiting at once; the previous durable step "
+                  "restores", file=sys.stderr, flush=True)
+            os._exit(self.options.exit_code if self.options.exit_code is not None else 128 + signum)
+        if self._seen is None:
+            self._seen, self.stats.signal = time.monotonic(), name
+
+    @property
+    def signalled(self) -> bool:
+        return self._seen is not None
+
+    def requested(self, step: int) -> bool:
+        """At a step boundary, after ``step``: whether this is the step every rank saves at."""
+        if self._agreed is None:
+            if self._store is None:
+                self._agreed = step if self._seen is not None else None
+            elif self._seen is not None:
+                self._agreed = int(self._store.compare_set(self._key, "", str(step + 1)))
+            elif self._store.check([self._key]):
+                self._agreed = int(self._store.get(self._key))
+        if self._agreed is not None and step > self._agreed:
+            log.warning("preemption: step %d is past the agreed step %d; saving this one", step, self._agreed)
+            return True
+        return self._agreed == step
+
+    def save(self, step: int, state: Any) -> SaveHandle:
+        """The emergency save of ``step``: waits until it is durable (within ``grace_seconds`` of the
+        signal), then exits the process with ``exit_code`` (returns the handle when that is None)."""
+        opts, started = self.options, self._seen if self._seen is not None else time.monotonic()
+        self._saving = True
+        print(f"tierio: emergency save of step {step} ({self.stats.signal or 'requested'})", file=sys.stderr, flush=True)
+        handle = self.manager.save(step, state)
+        left = lambda: max(0.0, opts.grace_seconds - (time.monotonic() - started))  # noqa: E731
+        handle.persisted.result(left())
+        if self.manager.stats()["tiers"][0]["scope"] == "node":
+            handle.committed.result(left())  # a node-local tier 0: durable once committed on the shared tier
+        self.stats.step, self.stats.signal_to_durable_seconds = step, time.monotonic() - started
+        log.warning("preemption: step %d durable %.2f s after %s", step, self.stats.signal_to_durable_seconds,
+                    self.stats.signal or "the request")
+        self._saving = False
+        if opts.exit_code is None:
+            return handle
+        if opts.requeue and self.manager.rank == 0 and os.environ.get("SLURM_JOB_ID"):
+            subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=False, timeout=30)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # The step is durable: exit now, within the grace period. Promotion to slower tiers resumes
+        # in the next run; the leases lapse (or are taken over by the requeued run of the same id).
+        os._exit(opts.exit_code)
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def __enter__(self) -> Preemption:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _store_and_key(manager: CheckpointManager) -> tuple[Any, str]:
+    """The process group's TCPStore (None without a group) and this run's key on it."""
+    if manager.world_size == 1:
+        return None, ""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, ""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # the rendezvous store outlives a restart
+    return distributed_c10d._get_default_store(), f"tierio/preempt/{manager.run_id}/{restart}"
+
+
+__all__ = ["PreemptOptions", "PreemptStats", "Preemption"]
