@@ -1,0 +1,123 @@
+"""What a checkpoint in the background costs a Python-heavy training step (the GIL tax).
+
+A step of many small tensor ops and Python bookkeeping (no large matmul: the kind of step a GIL
+stalls most) is timed over and over:
+
+  idle          nothing else runs
+  tierio        while a CheckpointManager save persists to tier 0 and promotes to tier 1 behind it
+                (its persist, checksum and promotion threads run in this process)
+  dcp_thread    while ``dcp.async_save`` writes with its thread-based checkpointer
+  dcp_process   while ``dcp.async_save`` writes with ``AsyncCheckpointerType.PROCESS`` (a process
+                of its own: the reference for "off the training interpreter")
+
+Each background scenario times the steps from the save's return until it is done (durable and,
+for tierio, promoted), in rounds interleaved with the others (``common.alternate``), and keeps the
+median step time. Ratios:
+
+  step_during_persist_vs_idle     idle median ÷ median while tierio persists and promotes (1.0: no tax)
+  step_slowdown_vs_dcp_process    that figure ÷ the same for DCP's process-based async save
+  step_during_dcp_thread_vs_idle  idle median ÷ median while DCP's thread-based async save writes
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierio.bench import common
+
+TARGETS = {"step_during_persist_vs_idle": (">=", 0.9), "step_slowdown_vs_dcp_process": (">=", 1.0)}
+MIN_STEPS = 5  # a save shorter than this many steps is timed over this many
+
+
+def python_heavy_step(xs: list[torch.Tensor]) -> float:
+    """About 20 ms of small ops: each a few microseconds of kernel and many of interpreter."""
+    total = 0.0
+    for _ in range(8):
+        for i, x in enumerate(xs):
+            xs[i] = x.mul(0.999).add_(0.001)
+            total += i * 0.5
+    return total
+
+
+def _steps_while(busy: Callable[[], bool], xs: list[torch.Tensor]) -> list[float]:
+    times: list[float] = []
+    while busy() or len(times) < MIN_STEPS:
+        t0 = time.perf_counter()
+        python_heavy_step(xs)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _state(nbytes: int) -> dict[str, torch.Tensor]:
+    per = 16 << 20
+    return {f"t{i}": torch.rand(per // 4) for i in range(max(1, nbytes // per))}
+
+
+def _group() -> None:
+    """A one-rank gloo group: DCP's process-based async save needs one."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def measure(nbytes: int, work: Path, rounds: int, log: Callable[[str], None]) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from tierio.ckpt import CheckpointManager
+
+    _group()
+    state = _state(nbytes)
+    xs = [torch.rand(16) for _ in range(120)]
+    python_heavy_step(xs)  # warm
+    step = [0]
+
+    def idle() -> float:
+        return statistics.median(_steps_while(lambda: False, xs) + _steps_while(lambda: False, xs))
+
+    def tierio() -> float:
+        step[0] += 1
+        shutil.rmtree(work / "t0", ignore_errors=True)
+        shutil.rmtree(work / "t1", ignore_errors=True)
+        with CheckpointManager([work / "t0", work / "t1"]) as mgr:
+            handle = mgr.save(step[0], state)
+            times = _steps_while(lambda: not handle.done(), xs)
+            handle.wait()
+        return statistics.median(times)
+
+    def dcp_run(kind: Any) -> Callable[[], float]:
+        def run() -> float:
+            step[0] += 1
+            target = work / f"dcp-{kind.value}"
+            shutil.rmtree(target, ignore_errors=True)
+            fut = dcp.async_save(state, checkpoint_id=str(target), async_checkpointer_type=kind)
+            done = getattr(fut, "upload_completion", fut)
+            times = _steps_while(lambda: not done.done(), xs)
+            done.result()
+            return statistics.median(times)
+        return run
+
+    log(f"Python-heavy steps: idle, and while tierio / DCP (thread, process) save {nbytes >> 20} MiB; {rounds} rounds")
+    got = common.alternate({"idle": idle, "tierio": tierio, "dcp_thread": dcp_run(AsyncCheckpointerType.THREAD),
+                            "dcp_process": dcp_run(AsyncCheckpointerType.PROCESS)}, rounds)
+    med = {k: statistics.median(v) for k, v in got.items()}
+    during = med["idle"] / med["tierio"]
+    ratios = {"step_during_persist_vs_idle": during,
+              "step_slowdown_vs_dcp_process": during / (med["idle"] / med["dcp_process"]),
+              "step_during_dcp_thread_vs_idle": med["idle"] / med["dcp_thread"]}
+    return {"state_bytes": nbytes, "step_seconds": med, "rounds": got, "cpus": os.cpu_count(),
+            "ratios": {k: round(v, 3) for k, v in ratios.items()},
+            "met": common.check_targets(ratios, TARGETS)}
