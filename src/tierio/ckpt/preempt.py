@@ -31,7 +31,6 @@ any save does (a step is committed whole or not listed); the emergency save come
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import subprocess
@@ -47,9 +46,6 @@ from tierio.stats import Stats
 
 from tierio.ckpt.manager import CheckpointManager
 from tierio.ckpt.saving.job import SaveHandle
-
-log = logging.getLogger("tierio.ckpt")
-
 
 @dataclass(frozen=True)
 class PreemptOptions(Options):
@@ -119,7 +115,8 @@ class Preemption:
             elif self._store.check([self._key]):
                 self._agreed = int(self._store.get(self._key))
         if self._agreed is not None and step > self._agreed:
-            log.warning("preemption: step %d is past the agreed step %d; saving this one", step, self._agreed)
+            print(f"tierio: step {step} is past the agreed step {self._agreed}; saving this one", file=sys.stderr,
+                  flush=True)
             return True
         return self._agreed == step
 
@@ -135,8 +132,8 @@ class Preemption:
         if self.manager.stats()["tiers"][0]["scope"] == "node":
             handle.committed.result(left())  # a node-local tier 0: durable once committed on the shared tier
         self.stats.step, self.stats.signal_to_durable_seconds = step, time.monotonic() - started
-        log.warning("preemption: step %d durable %.2f s after %s", step, self.stats.signal_to_durable_seconds,
-                    self.stats.signal or "the request")
+        print(f"tierio: step {step} durable in {self.stats.signal_to_durable_seconds:.3f} s after "
+              f"{self.stats.signal or 'request'}", file=sys.stderr, flush=True)
         self._saving = False
         if opts.exit_code is None:
             return handle
