@@ -6,9 +6,9 @@ on one directory, sends SIGTERM to every rank as SLURM does, and reads each rank
 time to write the same bytes (two jobs, one a rank) in the same directory stands beside it: the
 signal waits for the next step boundary, and the save then writes every rank's share at once.
 
-The loop: each step draws the state of that step (a function of the step number, so a restore can
-be checked bit for bit), does one all_reduce (a data-parallel step's collective), checks
-``Preemption.requested`` and sleeps a little.
+The loop: each step changes the state in place (``state_of`` says what it holds after a step, so
+a restore can be checked bit for bit), does one all_reduce (a data-parallel step's collective),
+checks ``Preemption.requested`` and sleeps a little.
 """
 
 from __future__ import annotations
@@ -32,8 +32,11 @@ DURABLE = re.compile(r"tierio: step (\d+) durable in ([0-9.]+) s after (\w+)")
 
 
 def state_of(step: int, nbytes: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.rand(max(1, nbytes // 4), generator=g), "step": step}
+    """The state after ``step``: the same random weights each step but for the first one, which
+    holds the step (a step changes the state in place, as an optimizer does)."""
+    w = torch.rand(max(1, nbytes // 4), generator=torch.Generator().manual_seed(0))
+    w[0] = step
+    return {"w": w, "step": step}
 
 
 def start(root: Path, nbytes: int, *, rank: int = 0, world: int = 1, port: int = 0,
@@ -97,8 +100,9 @@ def loop(root: str, nbytes: int, save_every: int) -> None:
     if world > 1:
         dist.init_process_group("gloo")
     with CheckpointManager([root]) as mgr, Preemption(mgr, grace_seconds=120) as preempt:
+        state = state_of(0, nbytes)
         for step in range(1, 1_000_000):
-            state = state_of(step, nbytes)
+            state["w"][0], state["step"] = step, step
             if world > 1:
                 dist.all_reduce(torch.ones(1))
             if save_every and step % save_every == 0:
