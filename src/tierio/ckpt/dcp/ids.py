@@ -48,6 +48,15 @@ def place_of(checkpoint_id: Any) -> tuple[str | None, int | None]:
     return text, None
 
 
+def is_checkpoint_id(checkpoint_id: Any) -> bool:
+    """Whether DCP's ``checkpoint_id`` is one ``place_of`` reads."""
+    try:
+        place_of(checkpoint_id)
+    except ConfigError:
+        return False
+    return True
+
+
 def tier_list(target: Any, who: str) -> list[Place]:
     """What a writer or reader was given in place of a manager, checked: a list of tiers."""
     items = list(target) if isinstance(target, (list, tuple)) else [target]

@@ -24,7 +24,7 @@ from tierio.format.slices import Box
 from tierio.format.statetree import unflatten
 from tierio.io.untrusted import parsing
 
-from tierio.ckpt.dcp.ids import TIERS_TAKEN, Place, place_of, tier_list, url_of
+from tierio.ckpt.dcp.ids import TIERS_TAKEN, Place, is_checkpoint_id, place_of, tier_list, url_of
 from tierio.ckpt.manager import CheckpointManager
 from tierio.ckpt.steps.reader import committed_steps, read_manifest
 from tierio.ckpt.restore.reshard import Piece, Stored, Target, global_tensors, own_tensors
@@ -201,8 +201,4 @@ class TierioReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        try:
-            place_of(checkpoint_id)
-        except ConfigError:
-            return False
-        return True
+        return is_checkpoint_id(checkpoint_id)

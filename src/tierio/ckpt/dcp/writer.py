@@ -19,7 +19,7 @@ from tierio.format.shard import Placement
 from tierio.format.statetree import flatten
 
 from tierio.ckpt.dcp.engine import commit_now, track, write_now
-from tierio.ckpt.dcp.ids import TIERS_TAKEN, Place, place_of, tier_list, url_of
+from tierio.ckpt.dcp.ids import TIERS_TAKEN, Place, is_checkpoint_id, place_of, tier_list, url_of
 from tierio.ckpt.manager import CheckpointManager
 from tierio.ckpt.options import CheckpointOptions
 from tierio.ckpt.promotion.cluster import Own
@@ -212,8 +212,4 @@ class TierioWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        try:
-            place_of(checkpoint_id)
-        except ConfigError:
-            return False
-        return True
+        return is_checkpoint_id(checkpoint_id)
