@@ -1,7 +1,8 @@
 """Tiny, deterministic training jobs on the CPU for the Lightning and Trainer integration tests.
 
-Each runs in this process or, as ``python tests/training_jobs.py JOB ROOT ...``, in a child that
-a test kills with SIGKILL once a checkpoint is durable (``--kill-at``), as a lost node would be.
+Each runs in this process or, as ``python tests/training_jobs.py JOB ROOT ...`` (or under
+``torchrun --nproc_per_node N``: DDP over gloo), in a child that a test kills with SIGKILL once a
+checkpoint is durable (``--kill-at``), as a lost node would be.
 The final weights are written to ROOT/final.safetensors.
 """
 
@@ -124,13 +125,19 @@ def main() -> None:
     p.add_argument("--tiers", required=True, help="JSON list of tier URLs")
     p.add_argument("--length", type=int, required=True, help="epochs (lightning) or steps (hf)")
     p.add_argument("--kill-at", type=int)
+    p.add_argument("--resume", action="store_true", help="resume from the newest checkpoint (hf)")
+    p.add_argument("--keep-all", action="store_true", help="no save_total_limit (hf)")
     a = p.parse_args()
     root, tiers = Path(a.root), json.loads(a.tiers)
-    run = lightning_job if a.job == "lightning" else hf_job
-    weights = run(root, tiers, a.length, kill_at=a.kill_at)
+    if a.job == "lightning":
+        weights = lightning_job(root, tiers, a.length, kill_at=a.kill_at)
+    else:
+        weights = hf_job(root, tiers, a.length, kill_at=a.kill_at, resume=True if a.resume else None,
+                         save_total_limit=None if a.keep_all else 2)
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in weights.items() if k != "lm_head.weight"}, str(root / "final.safetensors"))
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank holds the same weights
+        save_file({k: v.contiguous() for k, v in weights.items() if k != "lm_head.weight"}, str(root / "final.safetensors"))
 
 
 if __name__ == "__main__":

@@ -109,8 +109,10 @@ def check_manager_options(options: dict[str, Any], fixed: Sequence[str] = _FIXED
     return dict(options)
 
 
-def restore(tiers: Sequence[str | Path | Tier], pointer: Pointer, where: str, **manager: Any) -> Any:
-    """The state a pointer names, from the fastest tier with a good copy.
+def restore(tiers: Sequence[str | Path | Tier], pointer: Pointer, where: str, per_rank: str = "strict",
+            **manager: Any) -> Any:
+    """The state a pointer names, from the fastest tier with a good copy (``per_rank``: as for
+    ``CheckpointManager.restore``).
 
     A manager of its own reads it, so loading (for a resume, a test or a "best" checkpoint) never
     starts tierio's rollback of the saving manager: the framework's files say what exists."""
@@ -120,7 +122,7 @@ def restore(tiers: Sequence[str | Path | Tier], pointer: Pointer, where: str, **
                 f"{where} names tierio step {pointer.step} (saved to {', '.join(pointer.tiers)}), which is on none of "
                 f"the tiers {', '.join(reader.tiers)}: it was deleted, or this job points at other tiers"
             )
-        return reader.restore(step=pointer.step)
+        return reader.restore(step=pointer.step, per_rank=per_rank)
 
 
 def unstorable_advice(framework: str, fix: str) -> str:
@@ -159,11 +161,17 @@ class PublishingSaver:
     a checkpoint folder). A failed publish is raised at the next save or at :meth:`close`.
 
     ``pointers_in(directory)`` lists the pointer files in a directory the framework saved to;
-    the steps they name are what retention keeps (with ``min_keep``)."""
+    the steps they name are what retention keeps (with ``min_keep``).
+
+    ``every_rank``: every rank of the process group calls ``save`` (data-parallel state spread
+    over them, ``ckpt.replicated``); the manager is the group's, a step is published by rank 0
+    once it is committed, and step numbers agree because every rank lists the same tiers before
+    its first save. Otherwise one process saves alone (rank 0 of a world of 1)."""
 
     def __init__(self, tiers: Sequence[str | Path | Tier], options: dict[str, Any], advice: str,
-                 pointers_in: Callable[[Path], Iterable[Path]]) -> None:
+                 pointers_in: Callable[[Path], Iterable[Path]], every_rank: bool = False) -> None:
         self.options = options
+        self.every_rank = every_rank
         self.tiers = with_referenced(tiers, self.named)  # checks that tiers is a list of tiers
         self.plain = list(tiers)
         self.manager: CheckpointManager | None = None
@@ -181,7 +189,8 @@ class PublishingSaver:
         framework keeps its checkpoints: watched for the pointers retention must keep)."""
         self.raise_error()
         if self.manager is None:
-            self.manager = CheckpointManager(self.tiers, rank=0, world_size=1, **self.options)
+            alone = {} if self.every_rank else {"rank": 0, "world_size": 1}
+            self.manager = CheckpointManager(self.tiers, **alone, **self.options)
         if self._next is None:
             self._next = (self.manager.latest() or 0) + 1
         step = self._next
@@ -196,10 +205,12 @@ class PublishingSaver:
         with self._lock:
             self._published = [f for f in self._published if not f.done()] + [done]
 
+        leader = self.manager.rank == 0
+
         def on_durable(persisted: Future) -> None:
             # A failed persist publishes nothing (the manager raises that failure itself).
             try:
-                if persisted.exception() is None:
+                if persisted.exception() is None and leader:
                     publish(pointer)
             except BaseException as exc:  # noqa: BLE001 - raised at the next save or at close
                 log.error("could not publish checkpoint step %d in %s: %s", step, directory, exc)
@@ -208,7 +219,8 @@ class PublishingSaver:
             finally:
                 done.set_result(None)
 
-        handle.persisted.add_done_callback(on_durable)
+        # Alone, durable on tier 0 is enough; with every rank, the step must be committed (all ranks' parts).
+        (handle.committed if self.every_rank else handle.persisted).add_done_callback(on_durable)
 
     def watch(self, directory: Path) -> None:
         """Count the pointers in ``directory`` among those retention keeps."""

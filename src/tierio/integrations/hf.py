@@ -16,8 +16,10 @@ folders as usual; tierio deletes the checkpoints no folder names any more with i
 rules. Folders written by a plain ``Trainer`` still load (the stock code path).
 
 For a ``Trainer`` subclass of your own, mix :class:`TierioCheckpointsMixin` in before it:
-``class MyTrainer(TierioCheckpointsMixin, SFTTrainer)``. Single-process training is supported;
-DeepSpeed, FSDP and multi-process runs keep their own checkpoint formats and are refused.
+``class MyTrainer(TierioCheckpointsMixin, SFTTrainer)``. Single-process and DDP training (``torchrun``
+or ``accelerate launch`` on N processes) are supported: under DDP every rank saves, the replicated
+model and optimizer state written once overall, about 1/N a rank, and a run resumes on any number of
+processes. DeepSpeed and FSDP keep their own checkpoint formats and are refused.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from tierio.ckpt import rng_state, set_rng_state
+from tierio.ckpt.replicated import spread
+from tierio.dist import rank_world
 from tierio.errors import ConfigError
 from tierio.integrations.checkpoints import (
     Pointer,
@@ -84,9 +88,9 @@ class TrainerCheckpoints(PublishingSaver):
     """The tierio side of a Trainer: one manager, the saves in flight, and restored state waiting
     to be applied (the Trainer loads model, optimizer and RNG at different moments)."""
 
-    def __init__(self, tiers: Any, options: dict[str, Any]) -> None:
+    def __init__(self, tiers: Any, options: dict[str, Any], every_rank: bool = False) -> None:
         # the checkpoint-N folders say what to keep
-        super().__init__(tiers, {"min_keep": 1, **check_manager_options(options)}, ADVICE, _pointers_in)
+        super().__init__(tiers, {"min_keep": 1, **check_manager_options(options)}, ADVICE, _pointers_in, every_rank)
         self.restored: dict[str, dict[str, Any]] = {}  # checkpoint folder -> parts not applied yet
         self._restored_lock = threading.Lock()
 
@@ -107,7 +111,10 @@ class TrainerCheckpoints(PublishingSaver):
             if folder in self.restored:
                 return self.restored[folder]
         self.watch(Path(folder).parent)
-        state = restore(self.tiers, Pointer.read(Path(folder) / POINTER_NAME), folder, rank=0, world_size=1)
+        rank, world = rank_world() if self.every_rank else (0, 1)
+        # Each rank reads alone (no collective), whole tensors; its own RNG states are its namesake's.
+        state = restore(self.tiers, Pointer.read(Path(folder) / POINTER_NAME), folder, per_rank="own", rank=rank,
+                        world_size=world)
         with self._restored_lock:
             self.restored = {folder: state}  # older restores are done with
         return state
@@ -126,15 +133,15 @@ class TierioCheckpointsMixin:
     def __init__(self, *args: Any, tierio_tiers: Any, tierio_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._check_supported()
-        self.tierio = TrainerCheckpoints(tierio_tiers, tierio_options or {})
+        self.tierio = TrainerCheckpoints(tierio_tiers, tierio_options or {}, every_rank=self.args.world_size > 1)
 
     def _check_supported(self) -> None:
         t: Any = self
         other = [name for name, on in (("DeepSpeed", t.is_deepspeed_enabled), ("FSDP", t.is_fsdp_enabled)) if on]
-        if other or t.args.world_size > 1:
-            raise ConfigError(f"TierioTrainer checkpoints single-process training; this run uses "
-                              f"{' and '.join(other) or f'{t.args.world_size} processes'}, whose checkpoints keep "
-                              "their own format: use the plain Trainer (or tierio.ckpt.CheckpointManager yourself)")
+        if other:
+            raise ConfigError(f"TierioTrainer checkpoints single-process and DDP training; this run uses "
+                              f"{' and '.join(other)}, whose sharded checkpoints tierio does not take from the "
+                              "Trainer yet: use the plain Trainer, or save through tierio.ckpt.dcp.TierioWriter")
 
     # -- saving ---------------------------------------------------------------------------------
     def _save_checkpoint(self, model: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
@@ -159,15 +166,18 @@ class TierioCheckpointsMixin:
                                 lambda: self._tierio_rotate(run_dir), t.state.global_step, epoch)
 
     def _tierio_state(self, trainer_state: str) -> dict[str, Any]:
+        """What a checkpoint holds. Under DDP the replicated parts are spread: every rank writes
+        about 1/N of them (``ckpt.replicated``); the RNG states stay each rank's own."""
         t: Any = self
-        state: dict[str, Any] = {"model": t.model.state_dict(), "trainer_state": trainer_state}
+        shared = spread if self.tierio.every_rank else (lambda x: x)
+        state: dict[str, Any] = {"model": shared(t.model.state_dict()), "trainer_state": trainer_state}
         if not t.args.save_only_model:
-            state["optimizer"] = t.optimizer.state_dict()
+            state["optimizer"] = shared(t.optimizer.state_dict())
             if t.lr_scheduler is not None:
-                state["scheduler"] = t.lr_scheduler.state_dict()
+                state["scheduler"] = shared(t.lr_scheduler.state_dict())
             scaler = getattr(t.accelerator, "scaler", None)
             if scaler is not None:
-                state["scaler"] = scaler.state_dict()
+                state["scaler"] = shared(scaler.state_dict())
             state["rng"] = rng_state()
         return state
 
