@@ -62,3 +62,24 @@ def test_a_benchmark_loads_its_module_only_when_chosen():
                       "print(sorted(m for m in sys.modules if m.startswith('tierio.bench.')))")
     assert p.returncode == 0, p.stderr
     assert "tierio.bench.io" in p.stdout and "tierio.bench.ckpt" not in p.stdout
+
+
+def test_plan_imports_no_torch():
+    # plan uses the checkpoint interval rule; importing it must not load the manager and torch
+    p = _python("-X", "importtime", "-m", "tierio", "plan", "--preset", "70b", "--gpus", "8")
+    assert p.returncode == 0, p.stderr
+    imported = {line.split("|")[-1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")}
+    assert "tierio.plan.report" in imported and "tierio.ckpt.saving.interval" in imported
+    assert not imported & set(HEAVY), imported & set(HEAVY)
+
+
+def test_tierio_ckpt_names_load_on_first_use():
+    p = _python("-c", "import sys, tierio.ckpt as c\n"
+                      "print('torch' in sys.modules)\n"
+                      "from tierio.ckpt import Tier, parse_retention\n"
+                      "print('torch' in sys.modules)\n"
+                      "from tierio.ckpt import CheckpointManager\n"
+                      "print('torch' in sys.modules, all(getattr(c, n) is not None for n in c.__all__),"
+                      " set(c.__all__) <= set(dir(c)))")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["False", "False", "True", "True", "True"]
