@@ -320,7 +320,8 @@ class WeightCache:
         self.check_source = check_source
         self.chunk_size = chunk_size
         self.depth = depth
-        self.node = NodeCache(root, CacheOptions(limit=self.max_bytes, wait_timeout=wait_timeout, name="weights"))
+        self.node = NodeCache(root, CacheOptions(limit=self.max_bytes, wait_timeout=wait_timeout, name="weights",
+                                                 limit_setting="max_bytes"))
         self.root = self.node.root
 
     @staticmethod
