@@ -139,3 +139,19 @@ def test_a_too_small_weight_cache_names_the_flag(tmp_path, capsys):
     with pytest.raises(CacheLimitError, match="raise max_bytes to at least") as exc:
         WeightCache(tmp_path / "c", 4096).fetch(tmp_path / "m")
     assert exc.value.setting == "max_bytes" and "--max-size" not in str(exc.value)
+
+
+def test_a_refused_s3_connection_says_so(tmp_path, capsys, monkeypatch):
+    import socket
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "any")  # signed requests get as far as connecting
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "any")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}"
+    assert main(["ckpt", "ls", f"s3://bucket/run?endpoint={endpoint}"]) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    assert f"S3 endpoint {endpoint} refused the connection" in err and "server is running" in err, err
+    assert "timeout" not in err and "in time" not in err, err
