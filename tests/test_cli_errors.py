@@ -115,3 +115,43 @@ def test_a_usage_error_is_one_line_and_where_the_help_is(capsys):
     assert exc.value.code == 2
     assert err.splitlines() == ["tierio plan: error: argument --zero: invalid choice: '4' (choose from '0', '1', '2', '3')",
                                 "see: tierio plan --help"]
+
+
+def _model(d: Path, rows: int = 64) -> int:
+    """A small real safetensors model directory; returns its tensor bytes."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    d.mkdir(parents=True, exist_ok=True)
+    save_file({"w": np.ones((rows, 256), dtype=np.float32)}, str(d / "model.safetensors"))
+    return rows * 256 * 4
+
+
+def test_a_too_small_weight_cache_names_the_flag(tmp_path, capsys):
+    from tierio.errors import CacheLimitError
+    from tierio.weights import WeightCache
+
+    _model(tmp_path / "m")
+    assert main(["weights", "fetch", str(tmp_path / "m"), "--cache-dir", str(tmp_path / "c"), "--max-size", "4KiB"]) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "raise --max-size to at least" in err and "max_bytes" not in err, err
+    # the library says the same in its own words: the option of WeightCache
+    with pytest.raises(CacheLimitError, match="raise max_bytes to at least") as exc:
+        WeightCache(tmp_path / "c", 4096).fetch(tmp_path / "m")
+    assert exc.value.setting == "max_bytes" and "--max-size" not in str(exc.value)
+
+
+def test_a_refused_s3_connection_says_so(tmp_path, capsys, monkeypatch):
+    import socket
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "any")  # signed requests get as far as connecting
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "any")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}"
+    assert main(["ckpt", "ls", f"s3://bucket/run?endpoint={endpoint}"]) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    assert f"S3 endpoint {endpoint} refused the connection" in err and "server is running" in err, err
+    assert "timeout" not in err and "in time" not in err, err

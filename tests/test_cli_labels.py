@@ -56,3 +56,46 @@ def test_a_bad_device_is_named_in_the_flags_words(tmp_path, capsys):
     if not torch.cuda.is_available():
         assert main(["weights", "load", str(tmp_path), "--device", "cuda"]) == 1
         assert "use --device cpu" in capsys.readouterr().err
+
+
+def _model(d, rows: int = 64) -> int:
+    from safetensors.numpy import save_file
+
+    d.mkdir(parents=True, exist_ok=True)
+    save_file({"w": np.ones((rows, 256), dtype=np.float32)}, str(d / "model.safetensors"))
+    return (d / "model.safetensors").stat().st_size
+
+
+def test_weights_fetch_of_a_local_model_counts_its_bytes(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")  # every row on one line
+    size = _model(tmp_path / "m")
+    argv = ["weights", "fetch", str(tmp_path / "m"), "--cache-dir", str(tmp_path / "c")]
+    assert main([*argv, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["extra"]["cache"] == "miss" and d["source"] == str(tmp_path / "m")
+    assert d["bytes"] == size and d["direct_bytes"] + d["buffered_bytes"] == size and d["remote_bytes"] == 0
+    assert d["files"] == 1 and d["extra"]["cache_entry"] == d["path"]
+
+    # again: a hit copies nothing, and the table says so instead of a column of zeros
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "nothing: the cache holds an up-to-date copy" in " ".join(text.split())
+    assert "cache entry" in text and not any(w in text for w in ("O_DIRECT bytes", "page-cache bytes", "remote bytes"))
+
+
+def test_weights_load_through_the_cache_names_the_url_and_the_entry_apart(tmp_path, capsys, s3_url, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")  # every row on one line
+    from tierio.storage import open_store
+
+    _model(tmp_path / "m")
+    open_store(s3_url).put_file("model.safetensors", tmp_path / "m" / "model.safetensors")
+    cache = tmp_path / "c"
+    for expect in ("miss", "hit"):
+        assert main(["weights", "load", s3_url, "--cache-dir", str(cache), "--json"]) == 0
+        d = json.loads(capsys.readouterr().out)
+        assert d["extra"]["cache"] == expect and d["source"] == s3_url, d
+        assert d["extra"]["cache_entry"].startswith(str(cache)), d
+    assert main(["weights", "load", s3_url, "--cache-dir", str(cache)]) == 0
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in capsys.readouterr().out.splitlines()
+            if line.count("│") == 3}
+    assert rows["source"] == s3_url and rows["cache entry"].startswith(str(cache)) and rows["cache"] == "hit"

@@ -164,3 +164,18 @@ def test_progress_on_a_terminal_only_and_never_with_json(tmp_path, capsys, monke
     assert rc == 0 and "verifying" not in err and json.loads(out)["ok"]
     rc, _, err = run(capsys, "ckpt", "promote", str(tier), str(tmp_path / "copy"), "--all")
     assert rc == 0 and "promoting" in err
+
+
+def test_parquet_build_in_a_pipe_prints_no_row_group_lines(tmp_path, capsys):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+
+    f = tmp_path / "train.parquet"
+    ids = [[i % 50 + 1] * (i % 7 + 1) for i in range(400)]
+    pq.write_table(pa.table({"input_ids": pa.array(ids, pa.list_(pa.int32()))}), f, row_group_size=20)
+    assert pq.ParquetFile(f).num_row_groups == 20
+    for extra in ([], ["--json"]):  # stderr is captured here: what a pipe or a log gets
+        rc, out, err = run(capsys, "data", "build", str(f), str(tmp_path / f"c{len(extra)}"), "--column", "input_ids",
+                           *extra)
+        assert rc == 0 and "row group" not in err and err == "", err
+        assert "400" in out  # the final summary (table or JSON) still comes

@@ -59,6 +59,26 @@ class ConfigError(TierioError, ValueError):
     """An argument or setting is invalid."""
 
 
+class SettingError(TierioError):
+    """An error fixed by changing one setting. The message names it where the template says
+    ``{setting}``, as the library calls it (``max_bytes``); a front end with its own name for it (the
+    CLI's ``--max-size``) words the same message with ``naming(name)``."""
+
+    def __init__(self, message: str, setting: str = "") -> None:
+        self.template, self.setting = message, setting
+        super().__init__(self.naming(setting) if setting else message)
+
+    def naming(self, name: str) -> str:
+        return self.template.replace("{setting}", name)
+
+    def __reduce__(self) -> tuple:  # crosses process boundaries (DataLoader workers) whole
+        return type(self), (self.template, self.setting)
+
+
+class CacheLimitError(SettingError, ConfigError):
+    """A node-local cache is too small for what it must hold at once; ``setting`` is its size limit."""
+
+
 class UnstorableError(ConfigError):
     """A value in a state cannot be stored without pickle; ``key`` is its path in the state ("a/b/0")."""
 

@@ -67,23 +67,6 @@ TARGETS = {
 }
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dir", help="directory on the disk under test (default: a new temporary directory)")
-    p.add_argument("--size", default="2GiB", help="checkpoint state size (default 2GiB)")
-    p.add_argument("--tensors", type=int, default=96, help="number of tensors, fp32 and bf16 mixed (default 96)")
-    p.add_argument("--repeat", type=int, default=5, help="steady-state repetitions of each tierio save, and the rounds of "
-                                                         "the interleaved comparisons (at most 3 of the reads; at most 5 "
-                                                         "with --ranks) (default 5)")
-    p.add_argument("--keep", action="store_true", help="keep the files written (default: delete them)")
-    p.add_argument("--ranks", type=int, default=1, help="run the multi-rank benchmark with this many gloo processes "
-                                                         "(multi-rank persist, DCP, resharding; see bench/cluster.py)")
-    p.add_argument("--commit-scale", metavar="N,N,...", help="measure the commit of this many simulated ranks instead, "
-                                                              "e.g. 1,64,1024")
-    p.add_argument("--commit-tensors", type=int, default=64, help="tensor slices per simulated rank (default 64)")
-    p.add_argument("--s3", action="store_true", help="with --commit-scale: also on a local SeaweedFS bucket")
-    p.add_argument("--no-integrations", action="store_true", help="skip the Lightning and Trainer save-stall ratios")
-
-
 # -- helpers -------------------------------------------------------------------------------------
 
 

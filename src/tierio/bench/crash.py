@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierio.bench import options
 from tierio.bench.crash_recorder import (  # noqa: F401  (Ctx, Point, Scenario are this module's names too)
     CRASHED,
     Ctx,
@@ -236,13 +237,6 @@ def enumerate_scenario(scenario: Scenario, base: Path, *, limit: int | None = No
 TARGETS = {"failures": ("<=", 0)}
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scenario", action="append", help="run only these scenarios (repeatable; default all)")
-    p.add_argument("--limit", type=int, help="crash at a deterministic sample of this many points per scenario")
-    p.add_argument("--jobs", type=int, default=2, help="trials run at once")
-    p.add_argument("--dir", help="where trial directories go (default: the system's temporary directory)")
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from tierio.bench.common import logger, work_dir
     from tierio.bench.crash_scenarios import SCENARIOS
@@ -295,7 +289,7 @@ def print_reports(reports: list[Report], out: Any = sys.stdout) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``python -m tierio.bench.crash``: the table on stderr, the JSON on stdout."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(p)
+    options.crash(p)
     result = run(p.parse_args(argv))
     print(json.dumps(result, indent=1))
     return 1 if result["ratios"]["failures"] else 0

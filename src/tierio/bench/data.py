@@ -65,24 +65,6 @@ TARGETS = {
 }
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--docs", type=int, default=1_000_000, help="documents to pack (default 1,000,000)")
-    p.add_argument("--seq-len", type=int, default=4096, help="pack / window length (default 4096)")
-    p.add_argument("--loader-size", default="256MiB", help="token file for the loader test (default 256MiB)")
-    p.add_argument("--stream-size", default="512MiB", help="packed shards for the streaming test (default 512MiB)")
-    p.add_argument("--shard-size", default="64MiB", help="shard size (default 64MiB)")
-    p.add_argument("--batch-size", type=int, default=256, help="loader batch size in windows (default 256: 1M tokens per batch)")
-    p.add_argument("--repeat", type=int, default=3, help="timed repetitions per figure (default 3)")
-    p.add_argument("--passes", type=int, default=4, help="passes over the token file per loader measurement (default 4)")
-    p.add_argument("--dir", default=None, help="work directory (default: a temporary directory)")
-    p.add_argument("--no-s3", dest="skip_s3", action="store_true", help="skip the SeaweedFS streaming figures (and the peers)")
-    p.add_argument("--skip-s3", dest="skip_s3", action="store_true", help=argparse.SUPPRESS)  # the old name (docs/cli.md)
-    p.add_argument("--peer-samples", type=int, default=200_000,
-                   help="samples of 1,024 uint16 tokens in the comparison with litdata and MosaicML Streaming (default 200,000)")
-    p.add_argument("--skip-peers", action="store_true",
-                   help="skip litdata and MosaicML Streaming (tierio's own figures on the same samples still run)")
-
-
 # -- packing ---------------------------------------------------------------------------------
 
 def lognormal_lengths(n: int, mean: float = 400.0, sigma: float = 1.0, clip: int = 4096, seed: int = 0) -> np.ndarray:

@@ -13,7 +13,6 @@ tools, and each tool keeps its best.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import subprocess
@@ -39,14 +38,6 @@ TARGETS = {
     "s3_put_vs_awscli": (">=", 1.0),
     "s3_get_vs_awscli": (">=", 1.0),
 }
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dir", help="directory on the disk under test (default: a temporary directory under the current one)")
-    p.add_argument("--size", default="4GiB", help="file size for the disk comparison (default 4GiB)")
-    p.add_argument("--s3-size", default="1GiB", help="object size for the S3 comparison (default 1GiB)")
-    p.add_argument("--repeat", type=int, default=2, help="repetitions of every measurement; the best of each is kept (default 2)")
-    p.add_argument("--no-s3", action="store_true", help="skip the S3 comparison")
 
 
 def _log(msg: str) -> None:

@@ -56,22 +56,6 @@ TARGETS = {
 IO_LAYOUT = {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bfloat16"}
 
 
-def add_arguments(p) -> None:
-    p.add_argument("--dram-size", default="1GiB", help="bytes of blocks for the DRAM get (default 1GiB)")
-    p.add_argument("--nvme-size", default="2GiB", help="bytes of blocks for the NVMe put and get (default 2GiB)")
-    p.add_argument("--device-size", default="1GiB",
-                   help="bytes of blocks for the device-tier get, where CUDA is available (default 1GiB)")
-    p.add_argument("--block-tokens", type=int, default=256, help="tokens per block (default 256)")
-    p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir under /tmp)")
-    p.add_argument("--repeat", type=int, default=2, help="interleaved rounds, each method keeps its best (default 2)")
-    p.add_argument("--prompt-blocks", type=int, default=8, help="cached blocks of the TTFT prompt (default 8)")
-    p.add_argument("--model-layers", type=int, default=6, help="layers of the TTFT model (default 6)")
-    p.add_argument("--no-model", action="store_true", help="skip the transformers parts (TTFT, miss overhead)")
-    p.add_argument("--torch-threads", type=int, default=None,
-                   help="torch intra-op threads for the model parts, with and without tierio alike (default: torch's "
-                        "own choice). On a CPU shared with other work, 1 avoids threads waiting for a busy core")
-
-
 def _fill(buf: HostBuffer, seed: int) -> None:
     """Distinct, cheap bytes: one random MiB tiled (a block's checksum still covers all of it)."""
     tile = np.frombuffer(np.random.default_rng(seed).bytes(MiB), dtype=np.uint8)

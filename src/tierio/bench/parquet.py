@@ -29,14 +29,6 @@ TARGETS = {"parquet_build_vs_pyarrow_read": (">=", 0.5)}
 COLUMN = "input_ids"
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dir", help="directory on the disk under test (default: a new temporary directory)")
-    p.add_argument("--tokens", type=int, default=50_000_000, help="tokens in the corpus (default 50,000,000)")
-    p.add_argument("--vocab-size", type=int, help="pass a vocabulary size to the build (default: none, as the CLI)")
-    p.add_argument("--repeat", type=int, default=3, help="timed repetitions of each side (default 3)")
-    p.add_argument("--keep", action="store_true", help="keep the files written (default: delete them)")
-
-
 def write_corpus(path: Path, tokens: int, seed: int = 0) -> dict[str, int]:
     import pyarrow as pa
     import pyarrow.parquet as pq

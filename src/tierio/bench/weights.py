@@ -48,16 +48,6 @@ TARGETS = {
 }
 
 
-def add_arguments(p) -> None:
-    p.add_argument("--size", default="2GiB", help="model size (default 2GiB; use e.g. 256MiB for a quick run)")
-    p.add_argument("--shards", type=int, default=4, help="number of safetensors shards (default 4)")
-    p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir under /tmp)")
-    p.add_argument("--no-s3", action="store_true", help="skip the S3 / weight-cache part")
-    p.add_argument("--no-torch-load", action="store_true", help="skip the torch.load peer")
-    p.add_argument("--repeat", type=int, default=2,
-                   help="rounds; every method (S3 ones too) runs once per round, interleaved, and keeps its best (default 2)")
-
-
 # -- helpers -----------------------------------------------------------------------------------
 def run_fio(directory: Path, size: int) -> float:
     """fio O_DIRECT sequential read bytes/s of ``size`` bytes in ``directory``."""

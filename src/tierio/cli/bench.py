@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import importlib.util
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 from tierio.cli.output import print_json, print_table
 from tierio.cli.parsers import own_examples
@@ -40,9 +42,8 @@ except rss_overhead where lower is better). Nothing is installed by the benchmar
 def _lazy(base: type[argparse.ArgumentParser]) -> type[argparse.ArgumentParser]:
     """A parser class whose arguments are added only when its command is on the line.
 
-    The benchmarks import torch (and more) at module level; `tierio --help` and `tierio bench
-    --help` must not pay for that, so a target's module is imported when argparse hands the rest of
-    the line to that target's parser, and never otherwise."""
+    A target's description is read from its module's source, which costs a parse: done when
+    argparse hands the rest of the line to that target's parser, and never otherwise."""
 
     class LazyTarget(base):  # type: ignore[misc, valid-type]
         load: Callable[[argparse.ArgumentParser], None] | None = None
@@ -60,9 +61,14 @@ def _lazy(base: type[argparse.ArgumentParser]) -> type[argparse.ArgumentParser]:
 
 
 def _load_target(name: str, t: argparse.ArgumentParser) -> None:
-    module = importlib.import_module(f"tierio.bench.{name}")
-    t.description = (module.__doc__ or TARGETS[name]).strip()
-    module.add_arguments(t)
+    """A target's options (tierio.bench.options) and its module's docstring, read without importing
+    the module: the benchmarks import torch at module level, and `bench ckpt --help` must not."""
+    from tierio.bench.options import ARGUMENTS
+
+    spec = importlib.util.find_spec(f"tierio.bench.{name}")
+    doc = ast.get_docstring(ast.parse(Path(spec.origin).read_text()), clean=False) if spec and spec.origin else None
+    t.description = (doc or TARGETS[name]).strip()
+    ARGUMENTS[name](t)
 
 
 def register(sub) -> None:

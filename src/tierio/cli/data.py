@@ -137,9 +137,9 @@ def _build(args) -> int:
         parquet = ParquetColumns(ids=args.column, text=args.text_column, tokenizer=args.tokenizer, append_eos=args.append_eos)
     _refuse_overwrite(args.output, args.force)
     t0 = time.perf_counter()
-    with progress(f"building {args.output}", quiet=args.json):
+    with progress(f"building {args.output}", quiet=args.json) as advance:
         st = build_inputs(args.inputs, args.output, vocab_size=args.vocab_size, parquet=parquet,
-                          progress=_ParquetProgress(t0), key=args.key, tokenizer=args.tokenizer, text_key=args.text_key,
+                          progress=_ParquetProgress(t0, advance), key=args.key, tokenizer=args.tokenizer, text_key=args.text_key,
                           append_eos=args.append_eos).to_dict()
     seconds = time.perf_counter() - t0
     st["seconds"] = round(seconds, 3)
@@ -149,21 +149,18 @@ def _build(args) -> int:
 
 
 class _ParquetProgress:
-    """One line on stderr per finished row group, at most every half second (and for the last one)."""
+    """Each finished row group as the note of the build's progress bar: on a terminal only, and
+    not with --json (``advance`` is then a no-op), so a pipe or a log gets the final table alone."""
 
-    def __init__(self, t0: float) -> None:
+    def __init__(self, t0: float, advance) -> None:
         self.t0 = t0
-        self.shown = 0.0
+        self.advance = advance
 
     def __call__(self, p) -> None:
         now = time.perf_counter()
-        last = p.file_index + 1 == p.files and p.row_group + 1 == p.row_groups
-        if now - self.shown < 0.5 and not last:
-            return
-        self.shown = now
         rate = p.tokens / (now - self.t0) if now > self.t0 else 0.0
-        print(f"file {p.file_index + 1}/{p.files} {Path(p.file).name}: row group {p.row_group + 1}/{p.row_groups}, "
-              f"{p.rows} documents, {p.tokens} tokens ({rate:,.0f} tokens/s)", file=sys.stderr, flush=True)
+        self.advance(0, f"file {p.file_index + 1}/{p.files} {Path(p.file).name}: row group {p.row_group + 1}/"
+                        f"{p.row_groups}, {p.rows:,} documents, {p.tokens:,} tokens ({rate:,.0f} tokens/s)")
 
 
 def _inspect(args) -> int:

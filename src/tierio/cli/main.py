@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import NoReturn
 
 from tierio._version import __version__
-from tierio.errors import TierioError
+from tierio.errors import SettingError, TierioError
 
 COMMANDS = ["demo", "probe", "bench", "plan", "doctor", "ckpt", "weights", "data", "kv"]
 
@@ -83,8 +83,13 @@ def _command_name(args: argparse.Namespace) -> str:
     return " ".join(words)
 
 
-def _message(exc: BaseException) -> str:
-    """One line for a user mistake: what failed on which path, without Python's exception names."""
+def _message(exc: BaseException, args: argparse.Namespace) -> str:
+    """One line for a user mistake: what failed on which path, without Python's exception names.
+
+    An error whose fix is a library setting is worded with the command's flag for it, where the
+    command has one (``setting_flags``, set by the command: ``{"max_bytes": "--max-size"}``)."""
+    if isinstance(exc, SettingError) and exc.setting in getattr(args, "setting_flags", {}):
+        return exc.naming(args.setting_flags[exc.setting])
     if isinstance(exc, OSError) and exc.strerror:
         where = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
         return f"{where}: {exc.strerror}" if where else exc.strerror
@@ -119,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.verbose and not isinstance(exc, TierioError):
             traceback.print_exc()
         hint = "" if isinstance(exc, TierioError) or args.verbose else " (-v shows where)"
-        print(f"tierio {_command_name(args)}: error: {_message(exc)}{hint}", file=sys.stderr)
+        print(f"tierio {_command_name(args)}: error: {_message(exc, args)}{hint}", file=sys.stderr)
         return 1
 
 

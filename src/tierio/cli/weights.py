@@ -48,8 +48,13 @@ def _stats_rows(d: dict) -> list[list[str]]:
         ["O_DIRECT bytes", human_bytes(d["direct_bytes"])], ["page-cache bytes", human_bytes(d["buffered_bytes"])],
         ["remote bytes", human_bytes(d["remote_bytes"])],
     ]
-    rows += [[k, str(v)] for k, v in d.get("extra", {}).items()]
+    rows += [[k.replace("_", " "), str(v)] for k, v in d.get("extra", {}).items()]
     return rows
+
+
+# what a fetch that found its model cached has nothing to report on: it moved no byte
+_MOVED = {"method", "files", "tensors", "bytes", "throughput", "CPU s per GB", "O_DIRECT bytes",
+          "page-cache bytes", "remote bytes"}
 
 
 def cmd_inspect(args) -> int:
@@ -142,8 +147,11 @@ def cmd_fetch(args) -> int:
     d["path"] = str(path)
     if args.json:
         print_json(d)
-    else:
-        print_table("weights fetch", ["", "value"], _stats_rows(d) + [["local path", str(path)]])
+        return 0
+    rows = [r for r in _stats_rows(d) if r[0] != "tensors"]  # a fetch loads none; the path is "cache entry"
+    if d["extra"].get("cache") == "hit":  # zeros would read as a copy that moved nothing
+        rows = [r for r in rows if r[0] not in _MOVED] + [["copied", "nothing: the cache holds an up-to-date copy"]]
+    print_table("weights fetch", ["", "value"], rows)
     return 0
 
 
@@ -181,6 +189,7 @@ def register(sub) -> None:
                            help="weight cache directory (default $TIERIO_WEIGHT_CACHE or ~/.cache/tierio/weights)")
             alias(q, "--cache", dest="cache", metavar="DIR")
             q.add_argument("--max-size", default="200GiB", help="cache size limit, evicting least recently used models (default 200GiB)")
+            q.set_defaults(setting_flags={"max_bytes": "--max-size"})  # a too-small cache's error names the flag
 
     q = leaf(ws, "inspect", help="list shards and tensors from the headers", epilog=EPILOG)
     q.add_argument("source", metavar="SOURCE", help=".safetensors file, model directory, tierio checkpoint or s3:// URL")

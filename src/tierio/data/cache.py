@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tierio.errors import ConfigError, DiskFullError, NotFoundError
+from tierio.errors import CacheLimitError, ConfigError, DiskFullError, NotFoundError
 from tierio.io.buffers import BufferPool
 from tierio.io.untrusted import check_int
 from tierio.storage.base import Store
@@ -49,9 +49,10 @@ def check_fits(info: ShardInfo, limit: int, of: str = "") -> None:
     """A cache of ``limit`` bytes must hold at least this shard (``of``: the dataset, for the message)."""
     size = shard_size(info, of)
     if size > limit:
-        raise ConfigError(
-            f"cache_limit {limit} bytes is smaller than shard {info.key} ({size} bytes){' of ' + of if of else ''}: "
-            f"raise cache_limit to at least a few shards (e.g. {4 * size} bytes)"
+        raise CacheLimitError(
+            f"the cache limit of {limit} bytes is smaller than shard {info.key} ({size} bytes)"
+            f"{' of ' + of if of else ''}: raise {{setting}} to at least a few shards (e.g. {4 * size} bytes)",
+            "cache_limit_bytes",
         )
 
 
@@ -61,7 +62,8 @@ class ShardCache:
         self.limit = int(limit)
         if self.limit <= 0:
             raise ConfigError(f"cache_limit must be positive, got {limit}")
-        self.node = NodeCache(cache_dir, CacheOptions(limit=self.limit, wait_timeout=wait_timeout, name="shards"))
+        self.node = NodeCache(cache_dir, CacheOptions(limit=self.limit, wait_timeout=wait_timeout, name="shards",
+                                                      limit_setting="cache_limit_bytes"))
         self.dir = self.node.root
         self.downloaded_bytes = 0
         self.hits = 0

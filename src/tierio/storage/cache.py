@@ -56,7 +56,7 @@ from functools import partial
 from pathlib import Path
 
 from tierio import events
-from tierio.errors import ConfigError, FormatError, NotFoundError, StorageError, TierioError, os_error
+from tierio.errors import CacheLimitError, ConfigError, FormatError, NotFoundError, StorageError, TierioError, os_error
 from tierio.io.engine import submit
 from tierio.io.locks import lock_holders, process_name, release_fd
 from tierio.io.paths import open_beneath, open_dir_beneath
@@ -158,8 +158,9 @@ class NodeCache(RoomKeeping):
                 return Pin(name, self.entry_path(name), fd, hit)
             release_fd(fd)
             evicted += 1
-        raise StorageError(f"{key} keeps being evicted from the cache at {self.root} before it can be used; "
-                           "raise the cache limit or run fewer readers at once")
+        raise CacheLimitError(f"{key} keeps being evicted from the cache at {self.root} ({self.limit} bytes) "
+                              "before it can be used: raise {setting} or run fewer readers at once",
+                              self.options.limit_setting)
 
     def _pin_if_usable(self, name: str, kind: Kind, usable: Callable[[Path], bool] | None, key: str,
                        until: float) -> Pin | None:
@@ -363,8 +364,8 @@ class NodeCache(RoomKeeping):
         """Make the entry; True when its bytes are still to be flushed to the disk."""
         size = check_int(plan.size, f"{plan.where}: size")  # NaN, negative, float: never fit-checked
         if size > self.limit:
-            raise ConfigError(f"{plan.where} needs {size} bytes but the cache at {self.root} holds at most "
-                              f"{self.limit}: raise the cache limit")
+            raise CacheLimitError(f"{plan.where} needs {size} bytes but the cache at {self.root} holds at most "
+                                  f"{self.limit}: raise {{setting}} to at least {size} bytes", self.options.limit_setting)
         self._remove(ENTRIES, name)  # a stale or damaged copy (we hold the exclusive lock)
         self._remove(UNSYNCED, name)
         with self._reservation(name, size, plan.where):

@@ -23,6 +23,7 @@ class CacheOptions:
     fill_wait: float = 3600.0
     index_limit: int | None = None  # bytes of cached indexes; None: limit // 16, at least 16 MiB
     name: str = "cache"  # what the cache holds ("shards", "weights"), as reported to tierio.events
+    limit_setting: str = "limit"  # the owner's name for ``limit`` (max_bytes), which a too-small cache's error names
 
     @property
     def indexes(self) -> int:

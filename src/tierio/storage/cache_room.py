@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from tierio import events
-from tierio.errors import ConfigError, DiskFullError, FormatError, NotFoundError
+from tierio.errors import CacheLimitError, DiskFullError, FormatError, NotFoundError
 from tierio.io.locks import release_fd
 from tierio.io.paths import open_beneath
 from tierio.io.space import disk_space
@@ -38,10 +38,10 @@ class RoomKeeping:
                     fd = self._claim(name, size)
                     break
             if time.monotonic() >= deadline:
-                raise ConfigError(
+                raise CacheLimitError(
                     f"the cache at {self.root} cannot make room for {where} ({size} bytes) within its limit of "
-                    f"{self.limit} bytes: every entry that could be evicted is in use; raise the limit, or run "
-                    "fewer readers (or less prefetch) at once"
+                    f"{self.limit} bytes: every entry that could be evicted is in use; raise {{setting}}, or run "
+                    "fewer readers (or less prefetch) at once", self.options.limit_setting
                 )
             time.sleep(_POLL)
         try:

@@ -37,7 +37,6 @@ from tierio.errors import (
     IntegrityError,
     NotFoundError,
     StorageError,
-    StoreUnavailableError,
     os_error,
 )
 from tierio.io.buffers import ALIGN, HostBuffer, align_up
@@ -53,6 +52,7 @@ from tierio.storage.s3_errors import (
     classify,
     client_error_code,
     field,
+    gave_up,
 )
 from tierio.storage.s3_body import Pace, _safe_key, read_piece, read_some
 from tierio.storage.s3_options import S3Options, Upload, _endpoint, _session, s3_options
@@ -144,13 +144,7 @@ class S3Store(MultipartUploads):
                     log.debug("retrying %s %s after %s", t.what, t.where, failure.reason)
                     time.sleep(pause)
                     continue
-                raise StoreUnavailableError(
-                    f"S3 endpoint {t.endpoint} {'kept failing' if failure.answered else 'did not answer in time'} "
-                    f"while {t.what} {t.where}: {tries} attempt(s) "
-                    f"over {deadline.elapsed():.1f} s, the last failed with {failure.reason}; check that the server is "
-                    f"running and reachable, or give it more time with ?timeout=SECONDS on the store URL "
-                    f"(now {self.options.timeout:g} s)"
-                ) from None
+                raise gave_up(failure, t, tries, deadline.elapsed(), self.options.timeout) from None
             deadline.progress()
             return result
 

@@ -7,6 +7,7 @@ bucket, a malformed request); the retry loop in S3Store decides from that and it
 
 from __future__ import annotations
 
+import errno
 import http.client
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,7 @@ class Failure:
     transient: bool
     reason: str  # short, for the message that ends a run of attempts
     answered: bool = False  # the endpoint answered (with an error status), as opposed to silence or a dropped connection
+    refused: bool = False  # nothing listens at the endpoint: the connection was refused, at once
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,20 @@ def field(answer: Any, name: str, t: Target) -> Any:
                            "check that the endpoint is an S3 server") from None
 
 
+def gave_up(failure: Failure, t: Target, tries: int, seconds: float, timeout: float) -> StoreUnavailableError:
+    """The error that ends a run of attempts that each failed in a way worth another try."""
+    if failure.refused:  # more time is not the fix: nothing listens at the endpoint
+        return StoreUnavailableError(
+            f"S3 endpoint {t.endpoint} refused the connection while {t.what} {t.where} ({tries} attempt(s) over "
+            f"{seconds:.1f} s): nothing listens there; check that the S3 server is running and that the endpoint's "
+            "host and port are right")
+    return StoreUnavailableError(
+        f"S3 endpoint {t.endpoint} {'kept failing' if failure.answered else 'did not answer in time'} "
+        f"while {t.what} {t.where}: {tries} attempt(s) over {seconds:.1f} s, the last failed with {failure.reason}; "
+        "check that the server is running and reachable, or give it more time with ?timeout=SECONDS on the store "
+        f"URL (now {timeout:g} s)")
+
+
 def client_error_code(exc: BaseException) -> tuple[str, int | None]:
     """(error code, HTTP status) of a botocore ClientError; ("", None) for anything else."""
     if not isinstance(exc, bex.ClientError):
@@ -84,12 +100,35 @@ def client_error_code(exc: BaseException) -> tuple[str, int | None]:
     return code, exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
 
 
+def refused(exc: BaseException) -> bool:
+    """Was the connection refused (ECONNREFUSED)? botocore keeps urllib3's error in ``kwargs``,
+    and urllib3 the socket's in the exception's cause or context."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, ConnectionRefusedError) or (isinstance(e, OSError) and e.errno == errno.ECONNREFUSED):
+            return True
+        kwargs = getattr(e, "kwargs", None)
+        inner = kwargs.get("error") if isinstance(kwargs, dict) else None
+        todo += [e.__cause__, e.__context__, inner if isinstance(inner, BaseException) else None]
+    return False
+
+
 def classify(exc: BaseException, t: Target) -> Failure:
     """Sort one of FAILURES, raised by an S3 request or while reading its body, into a Failure."""
     if isinstance(exc, TierioError):  # already typed (a short body, an integrity check, a local file)
         return Failure(exc, isinstance(exc, ShortBody), str(exc))
     if isinstance(exc, (bex.ConnectionError, bex.HTTPClientError, u3.HTTPError, http.client.HTTPException, OSError)):
         reason = f"{type(exc).__name__}: {exc}"
+        if refused(exc):  # still worth another try (a server restarting), but said as what it is
+            return Failure(StoreUnavailableError(
+                f"S3 endpoint {t.endpoint} refused the connection while {t.what} {t.where}: nothing listens there; "
+                "check that the S3 server is running and that the endpoint's host and port are right"),
+                True, "connection refused", refused=True)
         return Failure(StoreUnavailableError(
             f"S3 endpoint {t.endpoint} did not answer while {t.what} {t.where} ({reason}); "
             "check that the server is running and the endpoint URL is right"), True, reason)

@@ -257,9 +257,7 @@ class _Request:
             counters = engine.Counters(total=sum(x.end for x in extents), progress=self.progress)
             engine.read_through_ring(extents, None, chunk_size=cache.chunk_size, depth=cache.depth, hook=hook,
                                      counters=counters)
-            stats.bytes += src.total_bytes
-            stats.remote_bytes += counters.remote_bytes
-            stats.files += len(src.shards)
+            stats.add_read(counters, len(src.shards))  # each way counted: a local source reads O_DIRECT or buffered
             stats.method = "cache-fill"
         else:
             opts = replace(self.load.options, chunk_size=cache.chunk_size, depth=cache.depth, whole_files=True,
@@ -320,7 +318,8 @@ class WeightCache:
         self.check_source = check_source
         self.chunk_size = chunk_size
         self.depth = depth
-        self.node = NodeCache(root, CacheOptions(limit=self.max_bytes, wait_timeout=wait_timeout, name="weights"))
+        self.node = NodeCache(root, CacheOptions(limit=self.max_bytes, wait_timeout=wait_timeout, name="weights",
+                                                 limit_setting="max_bytes"))
         self.root = self.node.root
 
     @staticmethod
@@ -393,9 +392,10 @@ class WeightCache:
             record = req.record
             assert record is not None  # set by usable() on a hit, by verify() on a fill
             local = record.local_path(pin.path)
+            # the source is what was asked for; the copy it was read from (or into) is named apart
+            req.stats.source = req.stats.source or req.url
             req.stats.extra["cache"] = "hit" if pin.hit else "miss"
-            if not pin.hit:
-                req.stats.extra["cached_at"] = str(local)
+            req.stats.extra["cache_entry"] = str(local)
             if req.load is None:
                 return local, None
             if pin.hit:
