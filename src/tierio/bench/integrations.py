@@ -1,7 +1,8 @@
-"""Save stalls of the framework integrations, measured inside `tierio bench ckpt`.
+"""`tierio bench integrations`: checkpoints inside training, where the framework and the interpreter are.
 
-For one model (linear layers for Lightning, a GPT-2 shape for the Trainer) trained one step with
-Adam, so that the checkpoint holds weights, optimizer state and loop state:
+Save stalls of the framework integrations (also measured inside `tierio bench ckpt`). For one model
+(linear layers for Lightning, a GPT-2 shape for the Trainer) trained one step with Adam, so that the
+checkpoint holds weights, optimizer state and loop state:
 
   lightning_save_stall_vs_torch_checkpointio   trainer.save_checkpoint() with Lightning's default
                                                TorchCheckpointIO ÷ the same call with TierioCheckpointIO
@@ -10,6 +11,11 @@ Adam, so that the checkpoint holds weights, optimizer state and loop state:
 Stall = how long the call holds the training loop (medians of the repetitions after a warm-up
 save, each started once the previous one is durable). The checkpoint is about ``size`` bytes,
 at most ``MAX_BYTES``: torch.save keeps up to three in-memory copies of it.
+
+The GIL tax (bench/gil.py): a Python-heavy step idle and while tierio, DCP's thread-based and
+DCP's process-based async saves write (``step_during_persist_vs_idle``,
+``step_slowdown_vs_dcp_process``). Preemption (bench/preempt.py): SIGTERM to both ranks of a
+2-rank job until the emergency step is durable (``preempt_signal_to_durable_s``, beside fio).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import torch
 TARGETS = {
     "lightning_save_stall_vs_torch_checkpointio": (">=", 5.0),
     "hf_trainer_save_stall_vs_default": (">=", 5.0),
+    "step_during_persist_vs_idle": (">=", 0.9),
+    "step_slowdown_vs_dcp_process": (">=", 1.0),
 }
 MAX_BYTES = 1 << 30
 
@@ -153,3 +161,29 @@ def measure(size: int, work: Path, repeat: int, log: Callable[[str], None]) -> d
         finally:
             shutil.rmtree(work / label, ignore_errors=True)
     return result
+
+
+def run(args: Any) -> dict[str, Any]:
+    """`tierio bench integrations`: the framework stalls, the GIL tax and preemption, in one run."""
+    import tempfile
+
+    from tierio.bench import common, gil, preempt
+    from tierio.units import parse_size
+
+    log = common.logger("bench integrations")
+    work = Path(args.dir or tempfile.mkdtemp(prefix="tierio-bench-integrations-")) / "tierio-bench-integrations"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        out: dict[str, Any] = {"benchmark": "integrations", "machine": common.machine_facts(), "ratios": {}}
+        if not args.no_frameworks:
+            out["frameworks"] = measure(parse_size(args.size), work / "frameworks", args.repeat, log)
+            out["ratios"].update(out["frameworks"]["ratios"])
+        out["gil"] = gil.measure(parse_size(args.size), work / "gil", args.rounds, log)
+        out["preempt"] = preempt.measure(parse_size(args.preempt_size), work / "preempt", log)
+        for part in ("gil", "preempt"):
+            out["ratios"].update(out[part]["ratios"])
+        out["met"] = common.check_targets(out["ratios"], {k: v for k, v in TARGETS.items() if k in out["ratios"]})
+        return out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

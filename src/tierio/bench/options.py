@@ -93,6 +93,15 @@ def crash(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", help="where trial directories go (default: the system's temporary directory)")
 
 
+def integrations(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", default=None, help="work directory on the disk under test (default: a temporary directory)")
+    p.add_argument("--size", default="512MiB", help="state saved behind the Python-heavy steps (default 512MiB)")
+    p.add_argument("--preempt-size", default="2GiB", help="state of the 2-rank preempted job (default 2GiB)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the step timings (default 3)")
+    p.add_argument("--repeat", type=int, default=3, help="saves per framework stall figure (default 3)")
+    p.add_argument("--no-frameworks", action="store_true", help="skip the Lightning and Trainer save-stall ratios")
+
+
 ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "io": io,
     "ckpt": ckpt,
@@ -101,4 +110,5 @@ ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "parquet": parquet,
     "kv": kv,
     "crash": crash,
+    "integrations": integrations,
 }

@@ -21,6 +21,7 @@ TARGETS = {
     "parquet": "building a dataset from Parquet vs reading the column with pyarrow",
     "kv": "the KV cache vs memcpy, fio and recomputing the prefill",
     "crash": "every crash point of a save, promotion, cache fill and dataset build, each killed and checked",
+    "integrations": "checkpoints inside training: framework save stalls, the GIL tax, preemption to durable",
 }
 
 EPILOG = """\
@@ -33,6 +34,7 @@ examples:
   tierio bench data --no-s3               packing and loader figures without SeaweedFS
   tierio bench parquet --tokens 5000000   a smaller Parquet corpus
   tierio bench crash --limit 20           a sample of 20 crash points per scenario
+  tierio bench integrations --no-frameworks   the GIL tax and preemption only
 Each run compares against its peers in the same run and prints ratios (> 1 means tierio is faster,
 except rss_overhead where lower is better). Nothing is installed by the benchmark: missing peers
 (fio, awscli) are reported with the command to install them.
