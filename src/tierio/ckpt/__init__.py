@@ -20,6 +20,8 @@ _WHERE = {
                      "parse_retention"], "tierio.ckpt.steps.retention"),
     "rng_state": "tierio.ckpt.rng", "set_rng_state": "tierio.ckpt.rng",
     "Tier": "tierio.ckpt.tier",
+    "Preemption": "tierio.ckpt.preempt", "PreemptOptions": "tierio.ckpt.preempt",
+    "spread": "tierio.ckpt.replicated",
     "TensorSlice": "tierio.format.slices",
 }
 
@@ -29,6 +31,7 @@ __all__ = [
     "VerifyReport", "Problem", "CheckpointInfo",
     "list_checkpoints", "inspect", "verify", "promote", "gc", "unlock",
     "rng_state", "set_rng_state",
+    "Preemption", "PreemptOptions", "spread",
 ]
 
 
@@ -49,6 +52,8 @@ if TYPE_CHECKING:
     from tierio.ckpt.manager import CheckpointManager, SaveHandle
     from tierio.ckpt.ops import CheckpointInfo, gc, inspect, list_checkpoints, promote, unlock, verify
     from tierio.ckpt.options import CheckpointOptions
+    from tierio.ckpt.preempt import PreemptOptions, Preemption
+    from tierio.ckpt.replicated import spread
     from tierio.ckpt.rng import rng_state, set_rng_state
     from tierio.ckpt.steps.gc import delete_step
     from tierio.ckpt.steps.reader import Problem, VerifyReport
