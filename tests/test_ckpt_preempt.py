@@ -85,3 +85,13 @@ def test_bad_signal_names_are_config_errors(tmp_path):
             handle = p.save(2, {"x": torch.ones(2)})
             assert handle.persisted.done() and p.stats.step == 2 and p.stats.signal == "SIGUSR2"
         assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL  # the previous handler is back
+
+
+def test_a_save_not_durable_within_the_grace_period_says_so(tmp_path, capfd):
+    with CheckpointManager([tmp_path]) as mgr:
+        with Preemption(mgr, signals=("SIGUSR2",), grace_seconds=0, exit_code=None) as p:
+            with pytest.raises(TimeoutError):
+                p.save(1, {"w": torch.zeros(64 << 20)})  # 256 MiB: not on disk the instant it is staged
+        assert "not durable within grace_seconds=0" in capfd.readouterr().err
+        mgr.wait()  # the save itself goes on and lands
+        assert mgr.steps() == [1]

@@ -128,9 +128,17 @@ class Preemption:
         print(f"tierio: emergency save of step {step} ({self.stats.signal or 'requested'})", file=sys.stderr, flush=True)
         handle = self.manager.save(step, state)
         left = lambda: max(0.0, opts.grace_seconds - (time.monotonic() - started))  # noqa: E731
-        handle.persisted.result(left())
-        if self.manager.stats()["tiers"][0]["scope"] == "node":
-            handle.committed.result(left())  # a node-local tier 0: durable once committed on the shared tier
+        try:
+            handle.persisted.result(left())
+            if self.manager.stats()["tiers"][0]["scope"] == "node":
+                handle.committed.result(left())  # a node-local tier 0: durable once committed on the shared tier
+        except TimeoutError:
+            print(f"tierio: step {step} was not durable within grace_seconds={opts.grace_seconds:g} of the signal; "
+                  "exiting; the previous durable step restores (raise grace_seconds, up to the scheduler's grace "
+                  "period)", file=sys.stderr, flush=True)
+            if opts.exit_code is None:
+                raise
+            os._exit(opts.exit_code)
         self.stats.step, self.stats.signal_to_durable_seconds = step, time.monotonic() - started
         print(f"tierio: step {step} durable in {self.stats.signal_to_durable_seconds:.3f} s after "
               f"{self.stats.signal or 'request'}", file=sys.stderr, flush=True)
