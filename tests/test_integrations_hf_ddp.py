@@ -5,11 +5,6 @@ checkpoint restores whole on one process."""
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,23 +12,14 @@ import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
+import training_jobs  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from tierio.ckpt import inspect, list_checkpoints  # noqa: E402
 from tierio.integrations.checkpoints import Pointer, restore  # noqa: E402
 
-JOBS = Path(__file__).with_name("training_jobs.py")
-
-
-def torchrun(root: Path, tiers: list[str] | None, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(port), str(JOBS),
-           "hf", str(root), "--tiers", json.dumps(tiers), "--length", "12", *extra]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+def torchrun(root: Path, tiers: list[str] | None, *extra: str):
+    return training_jobs.torchrun("hf", root, tiers, 12, *extra)
 
 
 def test_ddp_training_killed_resumes_bit_exact_with_the_state_spread_over_the_ranks(tmp_path: Path) -> None:

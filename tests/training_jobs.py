@@ -30,7 +30,7 @@ def _kill_when(ready) -> None:
 
 
 # -- PyTorch Lightning -------------------------------------------------------------------------------
-def lightning_job(root: Path, tiers: list[str], epochs: int, resume: str | None = None, kill_at: int | None = None,
+def lightning_job(root: Path, tiers: list[str] | None, epochs: int, resume: str | None = None, kill_at: int | None = None,
                   **plugin_options) -> dict[str, torch.Tensor]:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -66,8 +66,19 @@ def lightning_job(root: Path, tiers: list[str], epochs: int, resume: str | None 
     callbacks = [ModelCheckpoint(dirpath=root / "ck", save_last=True, save_top_k=2, monitor="step", mode="max")]
     if kill_at is not None:
         callbacks.append(KillAt())
-    trainer = pl.Trainer(max_epochs=epochs, plugins=[TierioCheckpointIO(tiers, **plugin_options)], callbacks=callbacks,
-                         enable_progress_bar=False, enable_model_summary=False, logger=False, accelerator="cpu")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # under torchrun: DDP over gloo, every rank saving through tierio (or the stock strategy)
+        from lightning.pytorch.strategies import DDPStrategy
+
+        from tierio.integrations.lightning import TierioDDPStrategy
+
+        strategy = TierioDDPStrategy(tiers, plugin_options, process_group_backend="gloo") if tiers is not None \
+            else DDPStrategy(process_group_backend="gloo")
+        run = {"strategy": strategy, "devices": world}
+    else:
+        run = {"plugins": [TierioCheckpointIO(tiers, **plugin_options)]} if tiers is not None else {}
+    trainer = pl.Trainer(max_epochs=epochs, callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
+                         logger=False, accelerator="cpu", **run)
     trainer.fit(model, data, ckpt_path=resume)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -118,6 +129,22 @@ def hf_job(root: Path, tiers: list[str] | None, max_steps: int, resume: bool | s
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
+def torchrun(job: str, root: Path, tiers: list[str] | None, length: int, *extra: str,
+             nprocs: int = 2) -> "subprocess.CompletedProcess[str]":
+    """``job`` as ``nprocs`` DDP processes under torchrun (gloo, a free port on 127.0.0.1)."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs), "--master_addr", "127.0.0.1",
+           "--master_port", str(port), __file__, job, str(root), "--tiers", json.dumps(tiers), "--length", str(length),
+           *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("job", choices=["lightning", "hf"])
@@ -130,7 +157,7 @@ def main() -> None:
     a = p.parse_args()
     root, tiers = Path(a.root), json.loads(a.tiers)
     if a.job == "lightning":
-        weights = lightning_job(root, tiers, a.length, kill_at=a.kill_at)
+        weights = lightning_job(root, tiers, a.length, kill_at=a.kill_at, resume="last" if a.resume else None)
     else:
         weights = hf_job(root, tiers, a.length, kill_at=a.kill_at, resume=True if a.resume else None,
                          save_total_limit=None if a.keep_all else 2)

@@ -18,8 +18,9 @@ with its retention rules (the newest and ``min_keep`` of them always stay).
 
 Lightning's checkpoint holds hyper-parameters and loop state besides tensors: what JSON and
 tensors can hold is stored without pickle; anything else is refused with an error that names
-the key. Only the global-zero rank saves (Lightning calls the plugin there only); every rank can
-load. The ``.ckpt`` files are not ``torch.load``-able: load them through this plugin.
+the key. With the plugin alone, only the global-zero rank saves (Lightning calls the plugin there
+only); under DDP, ``TierioDDPStrategy`` makes every rank save its share. Every rank can load. The
+``.ckpt`` files are not ``torch.load``-able: load them through this plugin.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from tierio.ckpt import CheckpointManager
+from tierio.ckpt.replicated import spread
 from tierio.errors import StorageError
 from tierio.integrations.checkpoints import (
     Pointer,
@@ -43,8 +45,10 @@ from tierio.integrations.checkpoints import (
 
 try:
     from lightning.fabric.plugins import CheckpointIO
+    from lightning.pytorch.strategies import DDPStrategy
 except ImportError:  # the standalone pytorch_lightning package
     from lightning_fabric.plugins import CheckpointIO  # type: ignore[no-redef]
+    from pytorch_lightning.strategies import DDPStrategy  # type: ignore[no-redef]
 
 log = logging.getLogger("tierio.integrations")
 
@@ -69,12 +73,18 @@ class TierioCheckpointIO(CheckpointIO):
         options = {"double_buffer": True, "min_keep": 1, **check_manager_options(manager_options)}
         self._saver = PublishingSaver(tiers, options, ADVICE, _pointers_in)
 
+    def every_rank(self) -> None:
+        """Every rank calls ``save_checkpoint`` (``TierioDDPStrategy``): the replicated checkpoint is
+        spread over them (``ckpt.replicated``) and rank 0 writes the pointer once it is committed."""
+        self._saver.every_rank = True
+
     # -- CheckpointIO ---------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options; configure the tiers instead")
         target = local_target(path, "Lightning")
-        self._saver.save(checkpoint, target.parent, lambda pointer: pointer.write(target),
+        state = spread(checkpoint) if self._saver.every_rank else checkpoint
+        self._saver.save(state, target.parent, lambda pointer: pointer.write(target),
                          _int(checkpoint.get("global_step")), _int(checkpoint.get("epoch")))
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:
@@ -110,6 +120,29 @@ class TierioCheckpointIO(CheckpointIO):
         return self._saver.manager
 
 
+class TierioDDPStrategy(DDPStrategy):
+    """Lightning's DDP strategy with every rank saving through a :class:`TierioCheckpointIO`: the
+    replicated model and optimizer state is written once overall, about 1/N a rank, instead of all
+    of it by global rank zero. ``ModelCheckpoint``'s top-k and ``last`` bookkeeping is unchanged
+    (rank 0 writes and removes the pointer files).
+
+        Trainer(strategy=TierioDDPStrategy(["/nvme/ckpt", "s3://bucket/run1"]), devices=N, ...)
+
+    ``manager_options`` as for :class:`TierioCheckpointIO`; other keywords go to ``DDPStrategy``."""
+
+    def __init__(self, tiers: Any, manager_options: dict[str, Any] | None = None, **ddp: Any) -> None:
+        io = TierioCheckpointIO(tiers, **(manager_options or {}))
+        io.every_rank()
+        super().__init__(checkpoint_io=io, **ddp)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)
+
+
 def _pointers_in(directory: Path) -> Iterable[Path]:
     return (p for p in directory.iterdir() if p.suffix == ".ckpt")
 
@@ -118,4 +151,4 @@ def _int(v: Any) -> int | None:
     return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
 
 
-__all__ = ["TierioCheckpointIO"]
+__all__ = ["TierioCheckpointIO", "TierioDDPStrategy"]
