@@ -5,6 +5,7 @@ checkpoint restores whole on one process."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,8 @@ def test_ddp_training_killed_resumes_bit_exact_with_the_state_spread_over_the_ra
     assert ref.returncode == 0, ref.stderr[-3000:]
 
     root = tmp_path / "job"
-    tiers = [str(root / "t0"), str(root / "t1")]
+    # One tier: promotion between ranks after a kill is not part of this test (see docs/integrations.md)
+    tiers = [str(root / "t0")]
     killed = torchrun(root, tiers, "--kill-at", "7")
     assert killed.returncode != 0
     folders = sorted(p.name for p in (root / "out").glob("checkpoint-*"))
@@ -51,4 +53,10 @@ def test_ddp_training_killed_resumes_bit_exact_with_the_state_spread_over_the_ra
     assert want.keys() == got.keys()
     for k in want:
         assert torch.equal(got[k], want[k]), k
-    assert {c.step for c in list_checkpoints(tiers[1])} >= {Pointer.read(root / "out" / "checkpoint-12" / "tierio.json").step}
+    assert Pointer.read(root / "out" / "checkpoint-12" / "tierio.json").step in {c.step for c in list_checkpoints(tiers[0])}
+
+    # An elastic restart on another world size: one process resumes the 2-rank checkpoint and goes on.
+    alone = training_jobs.torchrun("hf", root, tiers, 15, "--resume", nprocs=1)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    state = json.loads((root / "out" / "checkpoint-15" / "trainer_state.json").read_text())
+    assert state["global_step"] == 15

@@ -146,6 +146,9 @@ def torchrun(job: str, root: Path, tiers: list[str] | None, length: int, *extra:
 
 
 def main() -> None:
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR2)  # a hung job's stacks, on demand: kill -USR2 PID
     p = argparse.ArgumentParser()
     p.add_argument("job", choices=["lightning", "hf"])
     p.add_argument("root")
