@@ -162,8 +162,15 @@ def commit_copy_on(cl: Cluster, dst: Store, raw: bytes, man: Manifest) -> None:
     mine = fragment_key(step, cl.rank, token)
     dst.put_buffers(mine, [b"{}"])
     if cl.rank != 0:
-        poll_until(lambda: not dst.exists(mine) and dst.exists(manifest_key(step)),
+        # Done when this checkpoint's manifest is there. Not "when my marker is gone": a marker a
+        # dead run left with the same digest may have let rank 0 commit before this one was
+        # written, and then nobody removes it (seen after a SIGKILL of a 2-rank job).
+        poll_until(lambda: manifest_on(dst, step) == raw,
                    lambda: f"rank 0 to commit step {step} on {dst.url}; did rank 0 die?", cl.wait)
+        try:
+            dst.delete(mine)  # rank 0 removes the markers it saw; one written after that goes here
+        except TierioError:
+            pass
         return
     keys = [fragment_key(step, r, token) for r in range(cl.world_size)]
 
