@@ -36,5 +36,7 @@ def test_lightning_ddp_killed_resumes_bit_exact_with_every_rank_writing_its_shar
     assert want.keys() == got.keys()
     for k in want:
         assert torch.equal(got[k], want[k]), k
-    ckpts = sorted(p.name for p in (root / "ck").glob("*.ckpt"))
-    assert "last.ckpt" in ckpts and len(ckpts) == 3  # save_top_k=2 plus last: Lightning's bookkeeping, unchanged
+    ckpts = {p.name for p in (root / "ck").glob("*.ckpt")}
+    # save_top_k=2 plus last, as Lightning keeps them; a pointer the killed run published after its
+    # last.ckpt (pointers appear once durable) is one Lightning's restored state does not track
+    assert {"last.ckpt", "epoch=3-step=16.ckpt", "epoch=4-step=20.ckpt"} <= ckpts and len(ckpts) <= 4, ckpts

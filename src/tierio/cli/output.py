@@ -92,6 +92,9 @@ def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]
         out.print(Text.assemble(f"[{n}] ", note), overflow="fold")
 
 
+MIN_FOLD = 12  # a column a long word folds into keeps at least this many characters
+
+
 def _widths(rows: list[list[Text]], room: int) -> list[int] | None:
     """Column widths that keep every word whole, or None when the table fits as it is.
 
@@ -110,8 +113,18 @@ def _widths(rows: list[list[Text]], room: int) -> list[int] | None:
     if sum(hi) <= room:
         return None
     spare = room - sum(lo)
-    if spare <= 0:  # not even the words fit: keep them whole, the table is wider than the screen
-        return lo
+    if spare <= 0:
+        # Not even the words fit. The console cannot print wider than itself, so one word must
+        # fold: the longest ones (a path, a URL), never the short words of the other columns.
+        widths = list(lo)
+        while sum(widths) > room:
+            widest = max(range(ncols), key=lambda i: widths[i])
+            second = max((w for i, w in enumerate(widths) if i != widest), default=1)
+            cut = min(sum(widths) - room, widths[widest] - max(second, MIN_FOLD))
+            if cut <= 0:
+                break
+            widths[widest] -= cut
+        return widths
     # water-filling: the columns that want little get all of it (a short check name stays on one
     # line), the wide ones share what is left equally
     want = [h - low for h, low in zip(hi, lo)]

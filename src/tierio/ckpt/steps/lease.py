@@ -50,7 +50,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
-from tierio.errors import ConfigError, FormatError, LeaseError, NotFoundError, StorageError
+from tierio.errors import ConfigError, FormatError, IntegrityError, LeaseError, NotFoundError, StorageError
 from tierio.io.untrusted import Fields, loads
 from tierio.storage.base import Store, read_small, where
 
@@ -236,6 +236,11 @@ def look(store: Store) -> Seen | None:
             raw = read_small(store, key, MAX_LEASE_BYTES)
         except NotFoundError:
             continue  # cleaned up by a newer holder between the listing and the read
+        except IntegrityError:
+            # Shorter than it said while being read: the holder's renewal was rewriting it (an S3
+            # server may show a replaced object empty for a moment). Read it again.
+            time.sleep(0.05)
+            continue
         except FormatError as exc:
             return Seen(g, b"", None, str(exc))
         try:
