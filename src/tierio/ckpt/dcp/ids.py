@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 from typing import Any, Union
 
 from tierio.errors import ConfigError
+from tierio.format.shard import parse_step_dir
 from tierio.storage.base import Store
 
 from tierio.ckpt.tier import Tier
@@ -25,7 +27,6 @@ def step_of(checkpoint_id: Any) -> int:
     return int(m.group(1))
 
 
-_STEP_DIR = re.compile(r"step_(\d{1,9})")
 Place = Union[str, "os.PathLike[str]", Store, Tier]
 TIERS_TAKEN = ("a CheckpointManager, a path or URL (what FileSystemWriter takes), a Store or a Tier, or a list "
                "of them, fastest first")
@@ -42,9 +43,9 @@ def place_of(checkpoint_id: Any) -> tuple[str | None, int | None]:
     if _STEP_ID.fullmatch(text):
         return None, step_of(text)
     head, _, tail = text.rstrip("/").rpartition("/")
-    m = _STEP_DIR.fullmatch(tail)
-    if m is not None and head:
-        return head, int(m.group(1))
+    step = parse_step_dir(tail)
+    if step is not None and head:
+        return head, step
     return text, None
 
 
@@ -68,12 +69,11 @@ def tier_list(target: Any, who: str) -> list[Place]:
 
 
 def url_of(place: Any) -> str:
-    """A tier's URL as a CheckpointManager names it (``file:///abs`` for a local path)."""
-    if isinstance(place, Store):
-        return place.url
+    """A tier's location as one name to compare: its URL without query options (as ``where`` names
+    a store), a local path as ``LocalStore`` names it (``file://`` and the absolute path)."""
     if isinstance(place, Tier):
-        return url_of(place.url)
-    text = os.fspath(place)
-    if "://" in text and not text.startswith("file://"):
-        return text.rstrip("/")
-    return "file://" + os.path.abspath(text.removeprefix("file://"))
+        place = place.url
+    text = place.url if isinstance(place, Store) else os.fspath(place)
+    if "://" not in text:
+        text = f"file://{Path(text).expanduser().absolute()}"
+    return text.split("?", 1)[0].rstrip("/")

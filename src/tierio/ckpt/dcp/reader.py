@@ -117,7 +117,7 @@ class TierioReader(StorageReader):
             place, step = place_of(checkpoint_id)
             self.step = step if step is not None else self.step
             if place is not None:
-                urls = [s.store.url for s in self.sources]
+                urls = [url_of(s.store) for s in self.sources]
                 if not urls:
                     self.sources = _sources(place)
                 elif url_of(place) not in urls:

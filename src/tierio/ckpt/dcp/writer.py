@@ -141,13 +141,13 @@ class TierioWriter(StorageWriter):
             self.step = step
         if place is None:
             return
-        mine = self._manager.tiers if self._manager is not None else \
-            [url_of(t) for t in self._tiers] if self._tiers is not None else None
+        tiers = self._manager.tiers if self._manager is not None else self._tiers
+        mine = None if tiers is None else [url_of(t) for t in tiers]
         if mine is None:
             self._tiers = [place]
         elif url_of(place) not in mine:
             raise ConfigError(f"checkpoint_id {os.fspath(checkpoint_id)!r} is outside this writer's tiers "
-                              f"({', '.join(mine)}): pass a step number, or a path in the first tier")
+                              f"({', '.join(mine)}): pass a step number, or a path in one of them")
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
