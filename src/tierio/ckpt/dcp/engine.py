@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from tierio.format.shard import Placement, ShardBytes
+from tierio.format.shard import Placement
 
 from tierio.ckpt.manager import CheckpointManager
 from tierio.ckpt.promotion.cluster import Own
 from tierio.ckpt.promotion.copy import copy_shard
-from tierio.ckpt.saving.job import SaveHandle, Staged, check_space
+from tierio.ckpt.saving.job import SaveHandle
 from tierio.ckpt.steps.commit import CommitPlan, await_commit, build_manifest, commit, write_record
 from tierio.ckpt.steps.lineage import Lineage
 from tierio.ckpt.tier import commit_tier
@@ -29,14 +29,7 @@ def write_now(mgr: CheckpointManager, step: int, tensors: dict[str, torch.Tensor
     persister, book, tiers, cluster = mgr._persister, mgr._book, mgr._tiers, mgr._cluster
     rollback = persister.check(step)
     if all(t.device.type == "cpu" and t.is_contiguous() for t in tensors.values()):
-        # The tensors go out through the writer's bounce buffers, copied while earlier requests
-        # are in flight, instead of all staged first: they do not change while DCP saves.
-        layout = persister.layout(step, tensors)
-        book.raise_error()
-        check_space(tiers[0], layout.total_bytes, step, mgr.rank)
-        book.start(step)
-        book.started(step, rollback)
-        job = Staged(layout, None, places, None, rollback, ShardBytes(layout, tensors))
+        job = persister.stage_direct(step, tensors, places, rollback)  # DCP blocks: no copy first
     else:
         job = persister.stage(step, tensors, places, None, rollback, SaveHandle(step))
     own: Own | None = None

@@ -26,7 +26,7 @@ import torch
 from tierio import events
 from tierio.errors import ConfigError, FormatError, StorageError
 from tierio.format.manifest import RankEntry, TensorInfo
-from tierio.format.shard import Placement, describe, manifest_key, plan_shard, shard_key, shard_name, step_dir
+from tierio.format.shard import Placement, ShardBytes, describe, manifest_key, plan_shard, shard_key, shard_name, step_dir
 from tierio.io.buffers import BufferPool, align_up
 from tierio.units import human_bytes
 
@@ -115,6 +115,18 @@ class Persister:
             raise
         self.book.started(step, rollback)
         return Staged(layout, tree, places, buf, rollback, snapshot=snapshot)
+
+    def stage_direct(self, step: int, tensors: dict[str, torch.Tensor], places: dict[str, Placement],
+                     rollback: Rollback | None) -> Staged:
+        """A shard written straight from ``tensors`` (no staging buffer): for a caller that blocks
+        until the write is done, so the tensors do not change meanwhile (a DCP save). The bytes go
+        out through the writer's bounce buffers, copied while earlier requests are in flight."""
+        layout = self.layout(step, tensors)
+        self.book.raise_error()
+        check_space(self.tiers[0], layout.total_bytes, step, self.rank)
+        self.book.start(step)
+        self.book.started(step, rollback)
+        return Staged(layout, None, places, None, rollback, ShardBytes(layout, tensors))
 
     def submit(self, handle: SaveHandle, job: Staged) -> None:
         self._pool.submit(self._persist, handle, job)
