@@ -18,8 +18,8 @@ periodic save is lost. With one:
   collective), so a proposal of ``step + 1`` reaches every rank before it passes that step.
   Without a process group the step is the current one.
 * **The emergency save** is an ordinary save of that step to the manager's tiers, waited for until
-  it is durable: persisted on tier 0, and committed when tier 0 is node-local (its global commit),
-  within ``grace_seconds``, the scheduler's grace period. Promotion to slower tiers is left to the
+  it is committed (its handle's ``committed``: the manifest on the first shared tier, which is tier
+  0 unless tier 0 is node-local), within ``grace_seconds``, the scheduler's grace period. Promotion to slower tiers is left to the
   next run (its manager finds unpromoted steps). Then the process exits with ``exit_code``
   (143, as SIGTERM's default would; ``requeue=True`` also asks SLURM to requeue the job from rank 0).
 * **A second signal** during the emergency save ends the process at once: the step being written is
@@ -129,9 +129,8 @@ class Preemption:
         handle = self.manager.save(step, state)
         left = lambda: max(0.0, opts.grace_seconds - (time.monotonic() - started))  # noqa: E731
         try:
-            handle.persisted.result(left())
-            if self.manager.stats()["tiers"][0]["scope"] == "node":
-                handle.committed.result(left())  # a node-local tier 0: durable once committed on the shared tier
+            # Committed: on tier 0 when it is shared, on the first shared tier when tier 0 is node-local.
+            handle.committed.result(left())
         except TimeoutError:
             print(f"tierio: step {step} was not durable within grace_seconds={opts.grace_seconds:g} of the signal; "
                   "exiting; the previous durable step restores (raise grace_seconds, up to the scheduler's grace "
