@@ -165,7 +165,8 @@ def commit_copy_on(cl: Cluster, dst: Store, raw: bytes, man: Manifest) -> None:
         # Done when this checkpoint's manifest is there. Not "when my marker is gone": a marker a
         # dead run left with the same digest may have let rank 0 commit before this one was
         # written, and then nobody removes it (seen after a SIGKILL of a 2-rank job).
-        poll_until(lambda: manifest_on(dst, step) == raw,
+        # A look is one existence check; the manifest is read only once one is there.
+        poll_until(lambda: dst.exists(manifest_key(step)) and manifest_on(dst, step) == raw,
                    lambda: f"rank 0 to commit step {step} on {dst.url}; did rank 0 die?", cl.wait)
         try:
             dst.delete(mine)  # rank 0 removes the markers it saw; one written after that goes here
