@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 import warnings
@@ -130,14 +131,11 @@ def hf_job(root: Path, tiers: list[str] | None, max_steps: int, resume: bool | s
 
 
 def torchrun(job: str, root: Path, tiers: list[str] | None, length: int, *extra: str,
-             nprocs: int = 2) -> "subprocess.CompletedProcess[str]":
+             nprocs: int = 2) -> subprocess.CompletedProcess[str]:
     """``job`` as ``nprocs`` DDP processes under torchrun (gloo, a free port on 127.0.0.1)."""
-    import socket
-    import subprocess
+    from tierio.storage.seaweed import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs), "--master_addr", "127.0.0.1",
            "--master_port", str(port), __file__, job, str(root), "--tiers", json.dumps(tiers), "--length", str(length),

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 
 from tierio.bench import common
+from tierio.storage.seaweed import free_port
 
 TARGETS = {"step_during_persist_vs_idle": (">=", 0.9), "step_slowdown_vs_dcp_process": (">=", 1.0)}
 MIN_STEPS = 5  # a save shorter than this many steps is timed over this many
@@ -74,10 +74,7 @@ def _group() -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
 
 def measure(nbytes: int, work: Path, rounds: int, log: Callable[[str], None]) -> dict[str, Any]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 
 from tierio.bench import common
+from tierio.storage.seaweed import free_port
 
 DURABLE = re.compile(r"tierio: step (\d+) durable in ([0-9.]+) s after (\w+)")
 
@@ -46,12 +46,6 @@ def start(root: Path, nbytes: int, *, rank: int = 0, world: int = 1, port: int =
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     return subprocess.Popen([sys.executable, "-m", "tierio.bench.preempt", str(root), str(nbytes), str(save_every)],
                             env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(proc: subprocess.Popen, prefix: str, stream: str = "stdout") -> str:
