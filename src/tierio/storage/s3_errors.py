@@ -78,13 +78,16 @@ def field(answer: Any, name: str, t: Target) -> Any:
                            "check that the endpoint is an S3 server") from None
 
 
+def refused_error(t: Target, attempts: str = "") -> StoreUnavailableError:
+    return StoreUnavailableError(
+        f"S3 endpoint {t.endpoint} refused the connection while {t.what} {t.where}{attempts}: nothing listens there; "
+        "check that the S3 server is running and that the endpoint's host and port are right")
+
+
 def gave_up(failure: Failure, t: Target, tries: int, seconds: float, timeout: float) -> StoreUnavailableError:
     """The error that ends a run of attempts that each failed in a way worth another try."""
     if failure.refused:  # more time is not the fix: nothing listens at the endpoint
-        return StoreUnavailableError(
-            f"S3 endpoint {t.endpoint} refused the connection while {t.what} {t.where} ({tries} attempt(s) over "
-            f"{seconds:.1f} s): nothing listens there; check that the S3 server is running and that the endpoint's "
-            "host and port are right")
+        return refused_error(t, f" ({tries} attempt(s) over {seconds:.1f} s)")
     return StoreUnavailableError(
         f"S3 endpoint {t.endpoint} {'kept failing' if failure.answered else 'did not answer in time'} "
         f"while {t.what} {t.where}: {tries} attempt(s) over {seconds:.1f} s, the last failed with {failure.reason}; "
@@ -125,10 +128,7 @@ def classify(exc: BaseException, t: Target) -> Failure:
     if isinstance(exc, (bex.ConnectionError, bex.HTTPClientError, u3.HTTPError, http.client.HTTPException, OSError)):
         reason = f"{type(exc).__name__}: {exc}"
         if refused(exc):  # still worth another try (a server restarting), but said as what it is
-            return Failure(StoreUnavailableError(
-                f"S3 endpoint {t.endpoint} refused the connection while {t.what} {t.where}: nothing listens there; "
-                "check that the S3 server is running and that the endpoint's host and port are right"),
-                True, "connection refused", refused=True)
+            return Failure(refused_error(t), True, "connection refused", refused=True)
         return Failure(StoreUnavailableError(
             f"S3 endpoint {t.endpoint} did not answer while {t.what} {t.where} ({reason}); "
             "check that the server is running and the endpoint URL is right"), True, reason)
