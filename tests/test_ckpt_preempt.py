@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from tierio.bench.preempt import DURABLE, free_port, start, state_of, wait_for
-from tierio.ckpt import CheckpointManager
+from tierio.ckpt import CheckpointManager, list_checkpoints
 from tierio.ckpt.preempt import Preemption
+from tierio.cli.main import main
 from tierio.errors import ConfigError
 
 MiB = 1 << 20
@@ -43,7 +44,7 @@ def test_sigterm_becomes_one_durable_emergency_save_and_the_exit_code_of_sigterm
     assert torch.equal(got["w"], state_of(after, 4 * MiB)["w"])
 
 
-def test_a_signal_to_one_rank_of_two_saves_the_same_step_on_both(tmp_path):
+def test_a_signal_to_one_rank_of_two_saves_the_same_step_on_both(tmp_path, capsys):
     port = free_port()
     procs = [start(tmp_path, 2 * MiB, rank=r, world=2, port=port) for r in range(2)]
     wait_for(procs[1], "step 5")
@@ -55,6 +56,9 @@ def test_a_signal_to_one_rank_of_two_saves_the_same_step_on_both(tmp_path):
     assert got["step"] == ends[0] and torch.equal(got["w"], state_of(ends[0], 2 * MiB)["w"])
     with CheckpointManager([tmp_path]) as mgr:
         assert mgr.steps() == [ends[0]]  # one emergency step, written by both ranks
+    assert [c.reason for c in list_checkpoints(tmp_path)] == ["emergency: SIGTERM"]  # recorded in the manifest
+    assert main(["ckpt", "ls", str(tmp_path)]) == 0
+    assert "emergency: SIGTERM" in capsys.readouterr().out  # and marked by `tierio ckpt ls`
 
 
 def test_a_second_signal_during_the_emergency_save_exits_at_once_and_the_previous_step_restores(tmp_path):

@@ -135,8 +135,10 @@ class CheckpointManager:
         return self._cluster.node.name
 
     # -- saving ------------------------------------------------------------------------------------
-    def save(self, step: int, state: Any) -> SaveHandle:
-        """Snapshot ``state`` into staging memory and return; persist and promotion run behind."""
+    def save(self, step: int, state: Any, *, reason: str | None = None) -> SaveHandle:
+        """Snapshot ``state`` into staging memory and return; persist and promotion run behind.
+        ``reason`` (up to 128 characters) is recorded in the manifest and shown by ``tierio ckpt ls``:
+        why this step was saved off the loop's schedule (``Preemption`` writes ``"emergency: SIGTERM"``)."""
         t0 = time.perf_counter()
         overlap = self._persister.overlap is not None
         handle = SaveHandle(step, settle=self._settle if overlap else None)
@@ -144,11 +146,14 @@ class CheckpointManager:
             handle.buddied.set_result(None)
         try:
             self._check_open()
+            if reason is not None and not (isinstance(reason, str) and 0 < len(reason) <= 128):
+                raise ConfigError(f"save(reason=...) takes a short text (1 to 128 characters); got {reason!r}")
             self._settle(wait_copies=False)  # earlier overlapped saves whose copy is done: their verdict
             rollback = self._persister.check(step)
             flat = flatten(state)
             tensors, places = to_write(flat)
             job = self._persister.stage(step, tensors, places, flat.tree, rollback, handle, overlap=overlap)
+            job.reason = reason
         except BaseException:
             if self._buddy is not None:  # each save is one exchange with the partner: it must not wait for this one
                 self._buddy.send(step, None, handle.buddied)

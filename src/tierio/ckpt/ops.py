@@ -47,6 +47,7 @@ class CheckpointInfo(Stats):
     error: str | None = None  # set when the manifest is unreadable
     run: str | None = None  # the run that saved it (None: saved before runs were recorded)
     resumed_from: int | None = None  # the step that run had restored (None: a fresh start)
+    reason: str | None = None  # why it was saved off schedule ("emergency: SIGTERM"); None: an ordinary save
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -67,7 +68,8 @@ def list_checkpoints(url: str | Path | Store) -> list[CheckpointInfo]:
             count = m.num_tensors if all(r.loaded for r in m.ranks) else None
             out.append(CheckpointInfo(step, m.time, m.world_size, m.total_bytes, count, m.files,
                                       run=lineage.run if lineage else None,
-                                      resumed_from=lineage.resumed_from if lineage else None))
+                                      resumed_from=lineage.resumed_from if lineage else None,
+                                      reason=lineage.reason if lineage else None))
         except TierioError as exc:
             out.append(CheckpointInfo(step, "", 0, 0, 0, [], str(exc)))
     return out

@@ -17,7 +17,8 @@ periodic save is lost. With one:
   background thread). Ranks of a data-parallel job are at most one step apart (each step holds a
   collective), so a proposal of ``step + 1`` reaches every rank before it passes that step.
   Without a process group the step is the current one.
-* **The emergency save** is an ordinary save of that step to the manager's tiers, waited for until
+* **The emergency save** is an ordinary save of that step to the manager's tiers (its manifest
+  records ``reason="emergency: SIGTERM"``; ``tierio ckpt ls`` shows it), waited for until
   it is committed (its handle's ``committed``: the manifest on the first shared tier, which is tier
   0 unless tier 0 is node-local), within ``grace_seconds``, the scheduler's grace period. Promotion to slower tiers is left to the
   next run (its manager finds unpromoted steps). Then the process exits with ``exit_code``
@@ -89,6 +90,7 @@ class Preemption:
         self._seen: float | None = None  # time.monotonic() of the first signal
         self._saving = False
         self._agreed: int | None = None
+        self._cause: str | None = None  # the signal behind the agreed step (another rank's, maybe)
         self._store, self._key = _store_and_key(manager)
         self._previous = {signal.Signals[n]: signal.signal(signal.Signals[n], self._on_signal) for n in names}
 
@@ -110,15 +112,22 @@ class Preemption:
         if self._agreed is None:
             if self._store is None:
                 self._agreed = step if self._seen is not None else None
+                self._cause = self.stats.signal
             elif self._seen is not None:
-                self._agreed = int(self._store.compare_set(self._key, "", str(step + 1)))
+                self._agree(self._store.compare_set(self._key, "", f"{step + 1} {self.stats.signal}"))
             elif self._store.check([self._key]):
-                self._agreed = int(self._store.get(self._key))
+                self._agree(self._store.get(self._key))
         if self._agreed is not None and step > self._agreed:
             print(f"tierio: step {step} is past the agreed step {self._agreed}; saving this one", file=sys.stderr,
                   flush=True)
             return True
         return self._agreed == step
+
+    def _agree(self, proposal: bytes | str) -> None:
+        """The winning proposal on the store: the step, and the signal of the rank that proposed it."""
+        text = proposal.decode() if isinstance(proposal, bytes) else proposal
+        step, _, cause = text.partition(" ")
+        self._agreed, self._cause = int(step), cause or None
 
     def save(self, step: int, state: Any) -> SaveHandle:
         """The emergency save of ``step``: waits until it is durable (within ``grace_seconds`` of the
@@ -126,7 +135,7 @@ class Preemption:
         opts, started = self.options, self._seen if self._seen is not None else time.monotonic()
         self._saving = True
         print(f"tierio: emergency save of step {step} ({self.stats.signal or 'requested'})", file=sys.stderr, flush=True)
-        handle = self.manager.save(step, state)
+        handle = self.manager.save(step, state, reason=f"emergency: {self._cause or self.stats.signal or 'requested'}")
         left = lambda: max(0.0, opts.grace_seconds - (time.monotonic() - started))  # noqa: E731
         try:
             # Committed: on tier 0 when it is shared, on the first shared tier when tier 0 is node-local.

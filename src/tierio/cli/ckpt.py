@@ -178,9 +178,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not rows and not bad:
         say(f"no committed checkpoint in {args.url}")
     else:
-        print_table(f"Checkpoints in {args.url}", ["step", "time (UTC)", "ranks", "tensors", "size"],
+        noted = any(r["reason"] for r in rows)  # an emergency save is marked; the column only when one is there
+        print_table(f"Checkpoints in {args.url}", ["step", "time (UTC)", "ranks", "tensors", "size"] + ["saved for"] * noted,
                     [[r["step"], r["time"][:19].replace("T", " "), r["world_size"], "—" if r["tensors"] is None else r["tensors"],
-                      human_bytes(r["bytes"])] for r in rows])
+                      human_bytes(r["bytes"])] + [r["reason"] or ""] * noted for r in rows])
     for b in bad:
         say(styled(f"step {b['step']}: unreadable manifest: {b['problem']}", "yellow"), err=True)
     if partial:

@@ -82,6 +82,7 @@ class Staged:
     rollback: Rollback | None
     direct: ShardBytes | None = None
     snapshot: Snapshot | None = None  # an overlapped save: its tensors still being copied
+    reason: str | None = None  # why it was saved, recorded in the manifest (an emergency save's signal)
 
     def parts(self) -> tuple[list[memoryview], memoryview | ShardBytes]:
         """What to write, and the bytes to checksum."""

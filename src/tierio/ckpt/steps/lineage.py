@@ -1,7 +1,9 @@
 """Which run wrote a checkpoint, and the rollback rule.
 
 Every manifest records the run that wrote it and the step that run resumed from
-(``extra["tierio.run"]``, ``extra["tierio.resumed_from"]``; null for a fresh start).
+(``extra["tierio.run"]``, ``extra["tierio.resumed_from"]``; null for a fresh start), and why it was
+saved when that was not the training loop's schedule (``extra["tierio.reason"]``, e.g. an emergency
+save on SIGTERM; absent otherwise).
 
 **Rollback rule (supersede).** Restoring step S and saving again starts a new branch: the steps
 after S that the old branch committed are abandoned. The first save after ``restore()`` retires
@@ -33,14 +35,17 @@ log = logging.getLogger("tierio.ckpt")
 
 RUN_FIELD = "tierio.run"
 RESUMED_FIELD = "tierio.resumed_from"
+REASON_FIELD = "tierio.reason"
 
 
 @dataclass(frozen=True)
 class Lineage:
-    """The run saving a checkpoint and the step it resumed from (None: a fresh start)."""
+    """The run saving a checkpoint, the step it resumed from (None: a fresh start) and why this
+    step was saved (None: an ordinary save)."""
 
     run: str
     resumed_from: int | None = None
+    reason: str | None = None
 
     @property
     def token(self) -> str:
@@ -50,14 +55,19 @@ class Lineage:
         return xxh3(self.run.encode())[:8]
 
     def extra(self) -> dict:
-        return {RUN_FIELD: self.run, RESUMED_FIELD: self.resumed_from}
+        out: dict = {RUN_FIELD: self.run, RESUMED_FIELD: self.resumed_from}
+        if self.reason is not None:
+            out[REASON_FIELD] = self.reason
+        return out
 
     @staticmethod
     def of(man: Manifest, where: str) -> Lineage | None:
         """The lineage a manifest records (None for manifests written before it was recorded)."""
         f = Fields(man.extra, f"{where}: extra")
         run = f.str(RUN_FIELD, 128, default=None)
-        return None if run is None else Lineage(run, f.int(RESUMED_FIELD, 0, 10**9 - 1, default=None))
+        if run is None:
+            return None
+        return Lineage(run, f.int(RESUMED_FIELD, 0, 10**9 - 1, default=None), f.str(REASON_FIELD, 128, default=None))
 
 
 @dataclass
