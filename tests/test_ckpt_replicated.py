@@ -69,3 +69,16 @@ def test_the_plan_cuts_large_tensors_in_row_blocks_and_balances_the_small_ones()
     assert got[0] == [(0, 1024), (1024, 2048), (2048, 3072), (3072, 4096)]
     assert sorted(got[1:]) == [0, 1, 2, 3]  # four small tensors, one a rank
     assert plan([big], 1) == [0] and big[1] >= SPLIT_MIN_BYTES
+
+
+def test_tied_weights_are_one_slice_stored_once(tmp_path) -> None:
+    from tierio.format.statetree import flatten
+
+    big = torch.randn(1024, 512)  # 2 MiB: cut into row blocks
+    state = {"wte": big, "lm_head": big.view(1024, 512), "bias": torch.zeros(8)}  # a view: another object, same memory
+    for rank in range(2):
+        part = spread(state, rank=rank, world_size=2)
+        assert part["wte"] is part["lm_head"]
+        flat = flatten(part)
+        assert sorted(flat.globals) == ["bias", "wte"]  # one global tensor for the two names
+        assert flat.tree["lm_head"] == flat.tree["wte"] == {"__global__": "wte"}

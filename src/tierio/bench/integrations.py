@@ -16,6 +16,8 @@ The GIL tax (bench/gil.py): a Python-heavy step idle and while tierio, DCP's thr
 DCP's process-based async saves write (``step_during_persist_vs_idle``,
 ``step_slowdown_vs_dcp_process``). Preemption (bench/preempt.py): SIGTERM to both ranks of a
 2-rank job until the emergency step is durable (``preempt_signal_to_durable_s``, beside fio).
+DDP inside the frameworks (bench/ddp.py): the bytes each of 4 ranks writes and the save stall of 2
+ranks against a memcpy (``ddp_bytes_per_rank_vs_even``, ``trainer_ddp_stall_vs_memcpy``, ...).
 """
 
 from __future__ import annotations
@@ -167,7 +169,7 @@ def run(args: Any) -> dict[str, Any]:
     """`tierio bench integrations`: the framework stalls, the GIL tax and preemption, in one run."""
     import tempfile
 
-    from tierio.bench import common, gil, preempt
+    from tierio.bench import common, ddp, gil, preempt
     from tierio.units import parse_size
 
     log = common.logger("bench integrations")
@@ -179,11 +181,14 @@ def run(args: Any) -> dict[str, Any]:
         if not args.no_frameworks:
             out["frameworks"] = measure(parse_size(args.size), work / "frameworks", args.repeat, log)
             out["ratios"].update(out["frameworks"]["ratios"])
+            out["ddp"] = ddp.measure(parse_size(args.ddp_size), work / "ddp", log)
+            out["ratios"].update(out["ddp"]["ratios"])
         out["gil"] = gil.measure(parse_size(args.size), work / "gil", args.rounds, log)
         out["preempt"] = preempt.measure(parse_size(args.preempt_size), work / "preempt", log)
         for part in ("gil", "preempt"):
             out["ratios"].update(out[part]["ratios"])
-        out["met"] = common.check_targets(out["ratios"], {k: v for k, v in TARGETS.items() if k in out["ratios"]})
+        targets = {**TARGETS, **ddp.TARGETS}
+        out["met"] = common.check_targets(out["ratios"], {k: v for k, v in targets.items() if k in out["ratios"]})
         return out
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -99,7 +99,9 @@ def integrations(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preempt-size", default="2GiB", help="state of the 2-rank preempted job (default 2GiB)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the step timings (default 3)")
     p.add_argument("--repeat", type=int, default=3, help="saves per framework stall figure (default 3)")
-    p.add_argument("--no-frameworks", action="store_true", help="skip the Lightning and Trainer save-stall ratios")
+    p.add_argument("--ddp-size", default="512MiB",
+                   help="state of the DDP jobs (4 and 2 torchrun ranks of each framework; default 512MiB)")
+    p.add_argument("--no-frameworks", action="store_true", help="skip the Lightning and Trainer ratios (stalls, DDP)")
 
 
 ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {

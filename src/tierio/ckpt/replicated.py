@@ -25,6 +25,7 @@ import torch
 
 from tierio.dist import rank_world
 from tierio.format.slices import TensorSlice
+from tierio.format.statetree import alias_key
 
 SPLIT_MIN_BYTES = 1 << 20  # below this a tensor is not worth cutting: it goes whole to one rank
 
@@ -68,18 +69,23 @@ def spread(state: Any, rank: int | None = None, world_size: int | None = None) -
     rank, world_size = rank_world(rank, world_size)
     found: list[torch.Tensor] = []
     _tensors(state, found)
-    parts = plan([(tuple(t.shape), t.numel() * t.element_size()) for t in found], world_size)
-    slices = {id(t): _slice(t, p, rank) for t, p in zip(found, parts)}
+    unique = list({_key(t): t for t in reversed(found)}.values())[::-1]  # tied weights once, first name first
+    parts = plan([(tuple(t.shape), t.numel() * t.element_size()) for t in unique], world_size)
+    slices = {_key(t): _slice(t, p, rank) for t, p in zip(unique, parts)}
 
     def walk(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            return slices[id(obj)]
+            return slices[_key(obj)]  # tied weights: one slice object, which the checkpoint stores once
         if isinstance(obj, dict):
             return {k: walk(v) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
             return type(obj)(walk(v) for v in obj) if not hasattr(obj, "_fields") else type(obj)(*map(walk, obj))
         return obj
     return walk(state)
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return alias_key(t) or (id(t),)
 
 
 def _slice(t: torch.Tensor, part: list[tuple[int, int]] | int, rank: int) -> TensorSlice:

@@ -16,7 +16,8 @@ Plain tensors belong to the rank that saves them; a global tensor is one tensor 
 named by its path, of which each rank stores only the slice it writes.
 
 Tensors that are views of the same memory with the same shape, stride and dtype (tied weights)
-are stored once and come back as one shared tensor. Nothing here executes code from the data.
+are stored once and come back as one shared tensor; so is a global tensor met twice as the same
+object (``ckpt.replicated.spread`` gives tied weights one ``TensorSlice``). Nothing here executes code from the data.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def flatten(state: Any) -> FlatState:
     """Split ``state`` into a JSON tree and its distinct tensors (named by their path in the tree)."""
     out = FlatState(None)
     seen: dict[tuple, str] = {}
+    seen_globals: dict[int, str] = {}  # id of a TensorSlice/DTensor met before (a tied global tensor)
 
     def name_for(path: list[str]) -> str:
         base = "/".join(path) or "tensor"
@@ -84,9 +86,8 @@ def flatten(state: Any) -> FlatState:
         if t.layout != torch.strided:
             raise UnstorableError(f"tensor at {'/'.join(path)!r} has layout {t.layout}; convert it to a dense tensor first", "/".join(path))
         t = t.detach()
-        key = None
-        if t.numel() > 0:
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device))
+        key = alias_key(t)
+        if key is not None:
             if key in seen:
                 return seen[key]
         name = name_for(path)
@@ -99,7 +100,9 @@ def flatten(state: Any) -> FlatState:
         if depth > MAX_DEPTH:
             raise UnstorableError(f"state is nested deeper than {MAX_DEPTH} levels at {'/'.join(path)!r}", "/".join(path))
         if isinstance(obj, TensorSlice) or is_dtensor(obj):
-            name = name_for(path)
+            if id(obj) in seen_globals:  # the same slice object under a second name: stored once
+                return {"__global__": seen_globals[id(obj)]}
+            name = seen_globals[id(obj)] = name_for(path)
             leaf = global_leaf(obj, "/".join(path))
             if leaf.local.layout != torch.strided:
                 raise UnstorableError(f"tensor at {'/'.join(path)!r} has layout {leaf.local.layout}; convert it to a dense tensor first",
@@ -139,6 +142,14 @@ def flatten(state: Any) -> FlatState:
 
     out.tree = walk(state, [], 0)
     return out
+
+
+def alias_key(t: torch.Tensor) -> tuple | None:
+    """Tensors with one key are the same memory seen twice (tied weights: ``lm_head.weight`` is
+    ``wte.weight``); None for an empty tensor, which aliases nothing."""
+    if t.numel() == 0:
+        return None
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device))
 
 
 def tensor_refs(tree: Any, markers: tuple[str, ...] = ("__tensor__", "__ndarray__")) -> list[str]:
