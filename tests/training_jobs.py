@@ -148,7 +148,7 @@ def dump_full(path: Path, model, optimizer) -> None:
     from tierio.integrations.sharded import state_dicts
 
     def full(t):
-        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone().contiguous()
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone().contiguous()
 
     msd, (osd,) = state_dicts(model, [optimizer])
     flat = {f"model/{k}": full(v) for k, v in msd.items()}
@@ -213,6 +213,7 @@ def lightning_fsdp_job(root: Path, tiers: list[str], epochs: int, resume: bool) 
 
     warnings.filterwarnings("ignore")
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    accelerator = os.environ.get("TIERIO_JOB_ACCELERATOR", "cpu")  # scripts/gpu-check.sh: "gpu"
 
     class Sharded(pl.LightningModule):
         def __init__(self) -> None:
@@ -246,10 +247,10 @@ def lightning_fsdp_job(root: Path, tiers: list[str], epochs: int, resume: bool) 
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
     pl.seed_everything(world if resume else 0, verbose=False)  # a resume starts from other weights
     strategy = TierioModelParallelStrategy(tiers, data_parallel_size=world, tensor_parallel_size=1,
-                                           process_group_backend="gloo")
+                                           process_group_backend="gloo" if accelerator == "cpu" else "nccl")
     callbacks = [ModelCheckpoint(dirpath=root / "ck", save_last=True, save_top_k=2, monitor="step", mode="max"), Dump()]
     trainer = pl.Trainer(max_epochs=epochs, callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
-                         logger=False, accelerator="cpu", devices=world, strategy=strategy)
+                         logger=False, accelerator=accelerator, devices=world, strategy=strategy)
     trainer.fit(Sharded(), data, ckpt_path="last" if resume else None)
 
 
