@@ -185,13 +185,14 @@ class TierioCheckpointsMixin:
         the plain tensors left are spread; the RNG states stay each rank's own."""
         t: Any = self
         shared = spread if self.tierio.every_rank else (lambda x: x)
+        optimizers = [] if t.args.save_only_model else [t.optimizer]
         if self.tierio.sharded:  # t.model is the FSDP2 module
-            model_state, (optimizer_state,) = sharded.state_dicts(t.model, [t.optimizer])
+            model_state, optimizer_states = sharded.state_dicts(t.model, optimizers)
         else:
-            model_state, optimizer_state = t.model.state_dict(), t.optimizer.state_dict()
+            model_state, optimizer_states = t.model.state_dict(), [o.state_dict() for o in optimizers]
         state: dict[str, Any] = {"model": shared(model_state), "trainer_state": trainer_state}
-        if not t.args.save_only_model:
-            state["optimizer"] = shared(optimizer_state)
+        if optimizers:
+            state["optimizer"] = shared(optimizer_states[0])
             if t.lr_scheduler is not None:
                 state["scheduler"] = shared(t.lr_scheduler.state_dict())
             scaler = getattr(t.accelerator, "scaler", None)
