@@ -130,6 +130,130 @@ def hf_job(root: Path, tiers: list[str] | None, max_steps: int, resume: bool | s
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
+# -- FSDP2 state (fully_shard on a CPU mesh, over gloo) ---------------------------------------------
+def _mesh():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def dump_full(path: Path, model, optimizer) -> None:
+    """Every rank: the whole tensors of a sharded model and optimizer (``full_tensor`` is a
+    collective); rank 0 writes them to ``path``, named model/FQN and optim/FQN/KEY."""
+    from safetensors.torch import save_file
+
+    from tierio.integrations.sharded import state_dicts
+
+    def full(t):
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone().contiguous()
+
+    msd, (osd,) = state_dicts(model, [optimizer])
+    flat = {f"model/{k}": full(v) for k, v in msd.items()}
+    flat.update({f"optim/{fqn}/{k}": full(v) for fqn, st in osd["state"].items() for k, v in st.items()
+                 if isinstance(v, torch.Tensor)})
+    if os.environ.get("RANK", "0") == "0":
+        save_file(flat, str(path))
+
+
+def hf_fsdp_job(root: Path, tiers: list[str], resume: bool) -> None:
+    """The state Accelerate's FSDP2 plugin gives the Trainer (GPT-2, each block and the root
+    ``fully_shard``-ed, AdamW, a LambdaLR), saved or restored by TierioTrainer's own methods
+    (Accelerate runs FSDP on accelerators only; scripts/gpu-check.sh runs the Trainer itself).
+    A resume starts from other weights, so only the restore can make them equal."""
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import fully_shard
+
+    from tierio.integrations.hf import TierioCheckpointsMixin, TrainerCheckpoints
+
+    mesh = _mesh()
+    model = tiny_gpt2()
+    if resume:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_()
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    trainer = SimpleNamespace(model=model, optimizer=opt, lr_scheduler=sched, accelerator=SimpleNamespace(scaler=None),
+                              args=SimpleNamespace(save_only_model=False),
+                              tierio=TrainerCheckpoints(tiers, {}, every_rank=mesh.size() > 1, sharded=True))
+    folder = root / "out" / "checkpoint-2"
+    if resume:
+        TierioCheckpointsMixin._load_from_checkpoint(trainer, str(folder), model)
+        TierioCheckpointsMixin._load_optimizer_and_scheduler(trainer, str(folder))
+        assert sched.state_dict()["last_epoch"] == 2, sched.state_dict()
+    else:
+        ids = TokenData().x[:4]
+        for _ in range(2):
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        state = TierioCheckpointsMixin._tierio_state(trainer, "{}")
+        trainer.tierio.save_folder(state, folder, "{}", lambda: None, 2, 0)
+    trainer.tierio.close()
+    dump_full(root / f"{'restored' if resume else 'saved'}-{mesh.size()}.safetensors", model, opt)
+
+
+def lightning_fsdp_job(root: Path, tiers: list[str], epochs: int, resume: bool) -> None:
+    """Lightning's ModelParallelStrategy (FSDP2 in ``configure_model``) through
+    TierioModelParallelStrategy; the whole model and optimizer state is dumped once restored
+    (``restored-N``) and at the end (``final-N``)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from torch.distributed.fsdp import fully_shard
+
+    from tierio.integrations.lightning import TierioModelParallelStrategy
+
+    warnings.filterwarnings("ignore")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    accelerator = os.environ.get("TIERIO_JOB_ACCELERATOR", "cpu")  # scripts/gpu-check.sh: "gpu"
+
+    class Sharded(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+
+        def configure_model(self) -> None:
+            mesh = self.device_mesh["data_parallel"]
+            for layer in (self.net[0], self.net[2]):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+        def training_step(self, batch, i):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            opt = torch.optim.Adam(self.parameters(), lr=0.01)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)]
+
+    class Dump(Callback):
+        def on_train_start(self, trainer, module) -> None:
+            if resume:
+                dump_full(root / f"restored-{world}.safetensors", module, trainer.optimizers[0])
+
+        def on_train_end(self, trainer, module) -> None:
+            dump_full(root / f"final-{world}.safetensors", module, trainer.optimizers[0])
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    pl.seed_everything(world if resume else 0, verbose=False)  # a resume starts from other weights
+    strategy = TierioModelParallelStrategy(tiers, data_parallel_size=world, tensor_parallel_size=1,
+                                           process_group_backend="gloo" if accelerator == "cpu" else "nccl")
+    callbacks = [ModelCheckpoint(dirpath=root / "ck", save_last=True, save_top_k=2, monitor="step", mode="max"), Dump()]
+    trainer = pl.Trainer(max_epochs=epochs, callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
+                         logger=False, accelerator=accelerator, devices=world, strategy=strategy)
+    trainer.fit(Sharded(), data, ckpt_path="last" if resume else None)
+
+
 def torchrun(job: str, root: Path, tiers: list[str] | None, length: int, *extra: str,
              nprocs: int = 2) -> subprocess.CompletedProcess[str]:
     """``job`` as ``nprocs`` DDP processes under torchrun (gloo, a free port on 127.0.0.1)."""
@@ -148,7 +272,7 @@ def main() -> None:
 
     faulthandler.register(signal.SIGUSR2)  # a hung job's stacks, on demand: kill -USR2 PID
     p = argparse.ArgumentParser()
-    p.add_argument("job", choices=["lightning", "hf"])
+    p.add_argument("job", choices=["lightning", "hf", "lightning-fsdp", "hf-fsdp"])
     p.add_argument("root")
     p.add_argument("--tiers", required=True, help="JSON list of tier URLs")
     p.add_argument("--length", type=int, required=True, help="epochs (lightning) or steps (hf)")
@@ -157,6 +281,10 @@ def main() -> None:
     p.add_argument("--keep-all", action="store_true", help="no save_total_limit (hf)")
     a = p.parse_args()
     root, tiers = Path(a.root), json.loads(a.tiers)
+    if a.job.endswith("-fsdp"):  # these write their own dumps
+        if a.job == "hf-fsdp":
+            return hf_fsdp_job(root, tiers, a.resume)
+        return lightning_fsdp_job(root, tiers, a.length, a.resume)
     if a.job == "lightning":
         weights = lightning_job(root, tiers, a.length, kill_at=a.kill_at, resume="last" if a.resume else None)
     else:

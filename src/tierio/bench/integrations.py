@@ -38,6 +38,7 @@ import torch
 TARGETS = {
     "lightning_save_stall_vs_torch_checkpointio": (">=", 5.0),
     "hf_trainer_save_stall_vs_default": (">=", 5.0),
+    "fsdp_save_vs_framework_default": (">=", 5.0),  # bench/fsdp.py
     "step_during_persist_vs_idle": (">=", 0.9),
     "step_slowdown_vs_dcp_process": (">=", 1.0),
 }
@@ -133,6 +134,12 @@ def _hf(nbytes: int, work: Path, repeat: int) -> dict[str, Any]:
     return out
 
 
+def _fsdp(nbytes: int, work: Path, repeat: int) -> dict[str, Any]:
+    from tierio.bench import fsdp
+
+    return fsdp.measure(nbytes, work, repeat)
+
+
 @contextlib.contextmanager
 def _quiet(logger: str):
     log = logging.getLogger(logger)
@@ -149,7 +156,8 @@ def measure(size: int, work: Path, repeat: int, log: Callable[[str], None]) -> d
     nbytes = min(size, MAX_BYTES)
     result: dict[str, Any] = {"checkpoint_target_bytes": nbytes, "ratios": {}, "skipped": {}}
     for ratio, label, fn in (("lightning_save_stall_vs_torch_checkpointio", "lightning", _lightning),
-                             ("hf_trainer_save_stall_vs_default", "hf_trainer", _hf)):
+                             ("hf_trainer_save_stall_vs_default", "hf_trainer", _hf),
+                             ("fsdp_save_vs_framework_default", "fsdp", _fsdp)):
         log(f"{label}: checkpoint save stall, default vs tierio")
         try:
             # The frameworks print progress and logs: keep stdout for the benchmark's own output.

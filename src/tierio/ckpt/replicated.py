@@ -11,7 +11,9 @@ rank and each rank writes about 1/N of the bytes, as torchsnapshot partitions re
   replica, ``write=False``), largest first.
 
 Every rank must call it on the same state (same tensors, shapes and order): the assignment is a
-pure function of the shapes, so no collective is needed. The checkpoint holds global tensors:
+pure function of the shapes, so no collective is needed. DTensors and TensorSlices are already
+placed (an FSDP2 state's shards) and are left as they are: in a sharded state only the plain
+tensors (optimizer step counters, scheduler state) are spread. The checkpoint holds global tensors:
 ``restore(into=model_state)`` fills whole tensors on any number of ranks (each reads the pieces it
 needs from every rank's shard), and ``restore()`` returns whole tensors.
 """
@@ -24,13 +26,19 @@ from typing import Any
 import torch
 
 from tierio.dist import rank_world
-from tierio.format.slices import TensorSlice
+from tierio.format.slices import TensorSlice, is_dtensor
 from tierio.format.statetree import alias_key
 
 SPLIT_MIN_BYTES = 1 << 20  # below this a tensor is not worth cutting: it goes whole to one rank
 
 
+def _placed(obj: Any) -> bool:
+    return is_dtensor(obj) or isinstance(obj, TensorSlice)
+
+
 def _tensors(obj: Any, out: list[torch.Tensor]) -> None:
+    if _placed(obj):
+        return
     if isinstance(obj, torch.Tensor):
         out.append(obj)
     elif isinstance(obj, dict):
@@ -74,6 +82,8 @@ def spread(state: Any, rank: int | None = None, world_size: int | None = None) -
     slices = {_key(t): _slice(t, p, rank) for t, p in zip(unique, parts)}
 
     def walk(obj: Any) -> Any:
+        if _placed(obj):
+            return obj
         if isinstance(obj, torch.Tensor):
             return slices[_key(obj)]  # tied weights: one slice object, which the checkpoint stores once
         if isinstance(obj, dict):

@@ -16,10 +16,11 @@ folders as usual; tierio deletes the checkpoints no folder names any more with i
 rules. Folders written by a plain ``Trainer`` still load (the stock code path).
 
 For a ``Trainer`` subclass of your own, mix :class:`TierioCheckpointsMixin` in before it:
-``class MyTrainer(TierioCheckpointsMixin, SFTTrainer)``. Single-process and DDP training (``torchrun``
-or ``accelerate launch`` on N processes) are supported: under DDP every rank saves, the replicated
-model and optimizer state written once overall, about 1/N a rank, and a run resumes on any number of
-processes. DeepSpeed and FSDP keep their own checkpoint formats and are refused.
+``class MyTrainer(TierioCheckpointsMixin, SFTTrainer)``. Single-process, DDP and FSDP2 training
+(``torchrun`` or ``accelerate launch`` on N processes) are supported: under DDP every rank saves, the
+replicated model and optimizer state written once overall, about 1/N a rank; under FSDP2 every rank
+writes its own shards with their global offsets (``integrations.sharded``). A run resumes on any
+number of processes, resharded. FSDP1 and DeepSpeed are refused with a ConfigError naming the option.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from tierio.ckpt import rng_state, set_rng_state
 from tierio.ckpt.replicated import spread
 from tierio.dist import rank_world
 from tierio.errors import ConfigError
+from tierio.integrations import sharded
 from tierio.integrations.checkpoints import (
     Pointer,
     PublishingSaver,
@@ -88,9 +90,10 @@ class TrainerCheckpoints(PublishingSaver):
     """The tierio side of a Trainer: one manager, the saves in flight, and restored state waiting
     to be applied (the Trainer loads model, optimizer and RNG at different moments)."""
 
-    def __init__(self, tiers: Any, options: dict[str, Any], every_rank: bool = False) -> None:
+    def __init__(self, tiers: Any, options: dict[str, Any], every_rank: bool = False, sharded: bool = False) -> None:
         # the checkpoint-N folders say what to keep
         super().__init__(tiers, {"min_keep": 1, **check_manager_options(options)}, ADVICE, _pointers_in, every_rank)
+        self.sharded = sharded  # FSDP2: model and optimizer state are DTensor shards
         self.restored: dict[str, dict[str, Any]] = {}  # checkpoint folder -> parts not applied yet
         self._restored_lock = threading.Lock()
 
@@ -104,8 +107,9 @@ class TrainerCheckpoints(PublishingSaver):
 
         self.save(state, folder.parent, publish, global_step, epoch)
 
-    def load(self, folder: str) -> dict[str, Any]:
-        """The restored parts of ``folder``'s checkpoint still to be applied (restored once)."""
+    def load(self, folder: str, into: Any = None) -> dict[str, Any]:
+        """The restored parts of ``folder``'s checkpoint still to be applied (restored once; the
+        first call passes the DTensor targets of a sharded state as ``into``)."""
         self.wait_published()
         with self._restored_lock:
             if folder in self.restored:
@@ -113,8 +117,8 @@ class TrainerCheckpoints(PublishingSaver):
         self.watch(Path(folder).parent)
         rank, world = rank_world() if self.every_rank else (0, 1)
         # Each rank reads alone (no collective), whole tensors; its own RNG states are its namesake's.
-        state = restore(self.tiers, Pointer.read(Path(folder) / POINTER_NAME), folder, per_rank="own", rank=rank,
-                        world_size=world)
+        state = restore(self.tiers, Pointer.read(Path(folder) / POINTER_NAME), folder, per_rank="own", into=into,
+                        rank=rank, world_size=world)
         with self._restored_lock:
             self.restored = {folder: state}  # older restores are done with
         return state
@@ -133,15 +137,25 @@ class TierioCheckpointsMixin:
     def __init__(self, *args: Any, tierio_tiers: Any, tierio_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._check_supported()
-        self.tierio = TrainerCheckpoints(tierio_tiers, tierio_options or {}, every_rank=self.args.world_size > 1)
+        t: Any = self
+        self.tierio = TrainerCheckpoints(tierio_tiers, tierio_options or {}, every_rank=self.args.world_size > 1,
+                                         sharded=t.is_fsdp_enabled)
 
     def _check_supported(self) -> None:
         t: Any = self
-        other = [name for name, on in (("DeepSpeed", t.is_deepspeed_enabled), ("FSDP", t.is_fsdp_enabled)) if on]
-        if other:
-            raise ConfigError(f"TierioTrainer checkpoints single-process and DDP training; this run uses "
-                              f"{' and '.join(other)}, whose sharded checkpoints tierio does not take from the "
-                              "Trainer yet: use the plain Trainer, or save through tierio.ckpt.dcp.TierioWriter")
+        if t.is_deepspeed_enabled:
+            raise ConfigError(
+                "TierioTrainer does not checkpoint DeepSpeed runs (TrainingArguments(deepspeed=...)): ZeRO keeps the "
+                "model and optimizer partitions inside DeepSpeed's engine and saves them with its own code, which "
+                "tierio does not replace. Shard with FSDP2 instead (TrainingArguments(fsdp=True, "
+                "fsdp_config={'version': 2})): every rank then saves its shards through tierio. Or keep DeepSpeed "
+                "with the plain Trainer.")
+        version = getattr(getattr(t.accelerator.state, "fsdp_plugin", None), "fsdp_version", 2)
+        if t.is_fsdp_enabled and version != 2:
+            raise ConfigError(
+                f"TierioTrainer checkpoints FSDP2 only; this run uses FSDP{version} (fsdp_config['version'] = "
+                f"{version}), whose flat-parameter state tierio does not store: set fsdp_config={{'version': 2}} "
+                "(the default), or use the plain Trainer.")
 
     # -- saving ---------------------------------------------------------------------------------
     def _save_checkpoint(self, model: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
@@ -167,12 +181,18 @@ class TierioCheckpointsMixin:
 
     def _tierio_state(self, trainer_state: str) -> dict[str, Any]:
         """What a checkpoint holds. Under DDP the replicated parts are spread: every rank writes
-        about 1/N of them (``ckpt.replicated``); the RNG states stay each rank's own."""
+        about 1/N of them (``ckpt.replicated``); under FSDP2 each rank writes its DTensor shards and
+        the plain tensors left are spread; the RNG states stay each rank's own."""
         t: Any = self
         shared = spread if self.tierio.every_rank else (lambda x: x)
-        state: dict[str, Any] = {"model": shared(t.model.state_dict()), "trainer_state": trainer_state}
-        if not t.args.save_only_model:
-            state["optimizer"] = shared(t.optimizer.state_dict())
+        optimizers = [] if t.args.save_only_model else [t.optimizer]
+        if self.tierio.sharded:  # t.model is the FSDP2 module
+            model_state, optimizer_states = sharded.state_dicts(t.model, optimizers)
+        else:
+            model_state, optimizer_states = t.model.state_dict(), [o.state_dict() for o in optimizers]
+        state: dict[str, Any] = {"model": shared(model_state), "trainer_state": trainer_state}
+        if optimizers:
+            state["optimizer"] = shared(optimizer_states[0])
             if t.lr_scheduler is not None:
                 state["scheduler"] = shared(t.lr_scheduler.state_dict())
             scaler = getattr(t.accelerator, "scaler", None)
@@ -224,8 +244,13 @@ class TierioCheckpointsMixin:
         if not is_tierio_checkpoint(resume_from_checkpoint):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
         t: Any = self
-        parts = self.tierio.load(resume_from_checkpoint)
-        (model if model is not None else t.model).load_state_dict(parts.pop("model"))
+        model = model if model is not None else t.model
+        if self.tierio.sharded:  # after prepare: the optimizer exists, and both are filled shard by shard
+            model_state, optimizer_states = sharded.state_dicts(model, [t.optimizer])
+            parts = self.tierio.load(resume_from_checkpoint, into={"model": model_state, "optimizer": optimizer_states[0]})
+            sharded.apply(model, [t.optimizer], parts.pop("model"), [parts.pop("optimizer")] if "optimizer" in parts else [])
+            return None
+        model.load_state_dict(self.tierio.load(resume_from_checkpoint).pop("model"))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if not is_tierio_checkpoint(checkpoint):
@@ -259,8 +284,13 @@ class TierioCheckpointsMixin:
         best = t.state.best_model_checkpoint
         if not is_tierio_checkpoint(best):
             return super()._load_best_model()  # type: ignore[misc]
-        state = restore(self.tierio.tiers, Pointer.read(Path(best) / POINTER_NAME), best, rank=0, world_size=1)
-        t.model.load_state_dict(state["model"])
+        into = {"model": sharded.state_dicts(t.model, [])[0]} if self.tierio.sharded else None
+        state = restore(self.tierio.tiers, Pointer.read(Path(best) / POINTER_NAME), best, into=into, rank=0,
+                        world_size=1)
+        if self.tierio.sharded:
+            sharded.apply(t.model, [], state["model"], [])
+        else:
+            t.model.load_state_dict(state["model"])
 
 
 class TierioTrainer(TierioCheckpointsMixin, Trainer):
