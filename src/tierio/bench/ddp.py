@@ -59,23 +59,10 @@ def _memcpy_seconds(tensors: list[Any]) -> float:
 
 
 def _state_tensors(*states: Any) -> list[Any]:
-    """The distinct tensors of ``states`` (tied weights once)."""
-    import torch
+    """The distinct tensors of ``states`` (tied weights once), as a checkpoint holds them."""
+    from tierio.format.statetree import flatten
 
-    seen: dict[int, Any] = {}
-
-    def walk(obj: Any) -> None:
-        if isinstance(obj, torch.Tensor):
-            seen.setdefault(obj.untyped_storage().data_ptr() if obj.numel() else id(obj), obj)
-        elif isinstance(obj, dict):
-            for v in obj.values():
-                walk(v)
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                walk(v)
-    for s in states:
-        walk(s)
-    return list(seen.values())
+    return list(flatten(list(states)).tensors.values())
 
 
 def _report(work: Path, saves: list[float], tensors: list[Any]) -> None:
@@ -88,17 +75,14 @@ def _report(work: Path, saves: list[float], tensors: list[Any]) -> None:
 # -- the jobs (one process of a torchrun) ---------------------------------------------------------
 def _trainer_job(work: Path, nbytes: int) -> None:
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+    from transformers import TrainerCallback, TrainingArguments
     from transformers.utils import logging as hf_logging
 
+    from tierio.bench import models
     from tierio.integrations.hf import TierioTrainer
 
     hf_logging.set_verbosity_error()
-    n_embd, vocab = 512, 4096
-    per_layer = 12 * n_embd * n_embd * 4 * 3  # a GPT-2 block's weights + Adam's two moments
-    layers = max(1, (nbytes - vocab * n_embd * 12) // per_layer)
-    config = GPT2Config(vocab_size=vocab, n_positions=32, n_embd=n_embd, n_layer=layers, n_head=8, bos_token_id=0,
-                        eos_token_id=0)
+    vocab = 4096
     ids = torch.randint(0, vocab, (64, 16), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": ids[i], "labels": ids[i]} for i in range(len(ids))]
     saves: list[float] = []
@@ -115,7 +99,7 @@ def _trainer_job(work: Path, nbytes: int) -> None:
 
     args = TrainingArguments(str(work / "out"), max_steps=SAVES, per_device_train_batch_size=2, save_steps=1,
                              report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=1000)
-    trainer = Timed(model=GPT2LMHeadModel(config), args=args, train_dataset=data, callbacks=[Settle()],
+    trainer = Timed(model=models.gpt2(nbytes, n_embd=512, vocab=vocab, n_head=8, n_positions=32), args=args, train_dataset=data, callbacks=[Settle()],
                     tierio_tiers=[str(work / "tier")])
     trainer.train()
     _report(work, saves, _state_tensors(trainer.model.state_dict(), trainer.optimizer.state_dict()))
@@ -125,24 +109,11 @@ def _lightning_job(work: Path, nbytes: int) -> None:
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import Callback
-    from torch import nn
 
+    from tierio.bench import models
     from tierio.integrations.lightning import TierioDDPStrategy
 
-    width = 1024
-    layers = max(1, nbytes // 3 // (width * width * 4))  # weights + Adam's two moments
     saves: list[float] = []
-
-    class Wide(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-
-        def training_step(self, batch: Any, i: int) -> Any:
-            return self.net(batch[0]).square().mean()
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.Adam(self.parameters(), lr=1e-4)
 
     class Save(Callback):
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int) -> None:
@@ -152,11 +123,11 @@ def _lightning_job(work: Path, nbytes: int) -> None:
             trainer.strategy.checkpoint_io.wait_published()  # untimed, as for the Trainer
 
     strategy = TierioDDPStrategy([str(work / "tier")], process_group_backend="gloo")
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, width)), batch_size=2)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, models.WIDE)), batch_size=2)
     trainer = pl.Trainer(max_steps=SAVES, strategy=strategy, devices=int(os.environ["WORLD_SIZE"]), accelerator="cpu",
                          callbacks=[Save()], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
-    model = Wide()
+    model = models.wide(nbytes)
     trainer.fit(model, data)
     opt = trainer.optimizers[0]
     _report(work, saves, _state_tensors(model.state_dict(), opt.state_dict()))

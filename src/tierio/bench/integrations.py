@@ -60,27 +60,13 @@ def _median_call(call: Callable[[], None], settle: Callable[[], None], repeat: i
 def _lightning(nbytes: int, work: Path, repeat: int) -> dict[str, Any]:
     import lightning.pytorch as pl
     from lightning.pytorch.plugins import TorchCheckpointIO
-    from torch import nn
 
+    from tierio.bench import models
     from tierio.integrations.lightning import TierioCheckpointIO
 
-    width = 1024
-    layers = max(1, nbytes // 3 // (width * width * 4))  # weights + Adam's two moments
-
-    class Wide(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-
-        def training_step(self, batch, i):
-            return self.net(batch[0]).square().mean()
-
-        def configure_optimizers(self):
-            return torch.optim.Adam(self.parameters(), lr=1e-4)
-
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, width)), batch_size=4)
-    model = Wide()
-    out: dict[str, Any] = {"layers": layers}
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, models.WIDE)), batch_size=4)
+    model = models.wide(nbytes)
+    out: dict[str, Any] = {"layers": len(model.net)}
     for name, plugin in (("torch_checkpointio", TorchCheckpointIO()), ("tierio", TierioCheckpointIO([str(work / "tiers")]))):
         trainer = pl.Trainer(max_steps=1, plugins=[plugin], logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
@@ -99,24 +85,22 @@ def _lightning(nbytes: int, work: Path, repeat: int) -> dict[str, Any]:
 
 # -- Hugging Face Trainer -------------------------------------------------------------------------
 def _hf(nbytes: int, work: Path, repeat: int) -> dict[str, Any]:
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from transformers import Trainer, TrainingArguments
     from transformers.utils import logging as hf_logging
 
+    from tierio.bench import models
     from tierio.integrations.hf import TierioTrainer
 
     hf_logging.set_verbosity_error()
-    n_embd, vocab = 1024, 8192
-    per_layer = 12 * n_embd * n_embd * 4 * 3  # a GPT-2 block's weights + Adam's two moments
-    layers = max(1, (nbytes - vocab * n_embd * 12) // per_layer)
-    config = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=n_embd, n_layer=layers, n_head=16, bos_token_id=0,
-                        eos_token_id=0)
+    vocab = 8192
     ids = torch.randint(0, vocab, (4, 32))
     data = [{"input_ids": ids[i], "labels": ids[i]} for i in range(4)]
-    out: dict[str, Any] = {"layers": layers}
+    out: dict[str, Any] = {}
     for name in ("default", "tierio"):
         args = TrainingArguments(str(work / name), max_steps=1, per_device_train_batch_size=4, save_strategy="no",
                                  report_to=[], use_cpu=True, disable_tqdm=True)
-        model = GPT2LMHeadModel(config)
+        model = models.gpt2(nbytes, n_embd=1024, vocab=vocab, n_head=16, n_positions=64)
+        out["layers"] = model.config.n_layer
         if name == "tierio":
             trainer: Any = TierioTrainer(model=model, args=args, train_dataset=data, tierio_tiers=[str(work / "tiers")])
         else:
