@@ -18,7 +18,7 @@ import torch
 from tierio.ckpt import CheckpointManager, KeepLast, Tier, delete_step, gc, list_checkpoints
 from tierio.ckpt.steps.lease import LEASE_PREFIX, newest_generation, read_lease
 from tierio.cli.main import main
-from tierio.errors import FormatError, IntegrityError, LeaseError, NotFoundError, TierioError
+from tierio.errors import ConfigError, FormatError, IntegrityError, LeaseError, NotFoundError, TierioError
 from tierio.storage import open_store
 
 STEP2 = "step_000000002"
@@ -168,6 +168,14 @@ def test_hostile_lineage_fields_are_reported_not_raised(tmp_path, capsys):
     assert infos[1].error is not None and "tierio.run" in infos[1].error
     assert main(["ckpt", "ls", str(root)]) == 0
     assert "unreadable manifest" in capsys.readouterr().err
+    # The save's reason ("emergency: SIGTERM"): a string of at most 128 characters, or unreadable.
+    for bad in ({"signal": 15}, "x" * 129):
+        doc["extra"] = {"tierio.run": "r1", "tierio.reason": bad}
+        path.write_text(json.dumps(doc))
+        infos = list_checkpoints(root)
+        assert infos[1].reason is None and infos[1].error is not None and "tierio.reason" in infos[1].error
+    with CheckpointManager([tmp_path / "other"]) as mgr, pytest.raises(ConfigError, match="reason"):
+        mgr.save(1, state(1), reason="x" * 129)  # refused before anything is written
 
 
 def test_constructor_and_save_never_wait_on_a_stalled_tier(tmp_path, monkeypatch):
