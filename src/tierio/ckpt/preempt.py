@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -129,17 +130,36 @@ class Preemption:
         step, _, cause = text.partition(" ")
         self._agreed, self._cause = int(step), cause or None
 
+    @property
+    def reason(self) -> str:
+        """What the emergency save's manifest records (``"emergency: SIGTERM"``): the signal of the
+        rank whose proposal won, which may be another rank's."""
+        return f"emergency: {self._cause or self.stats.signal or 'requested'}"
+
     def save(self, step: int, state: Any) -> SaveHandle:
         """The emergency save of ``step``: waits until it is durable (within ``grace_seconds`` of the
         signal), then exits the process with ``exit_code`` (returns the handle when that is None)."""
-        opts, started = self.options, self._seen if self._seen is not None else time.monotonic()
+        self.begin(step)
+        handle = self.manager.save(step, state, reason=self.reason)
+        # Committed: on tier 0 when it is shared, on the first shared tier when tier 0 is node-local.
+        self.finish(step, handle.committed)
+        return handle
+
+    def begin(self, step: int) -> None:
+        """The emergency save of ``step`` starts: from now on a second signal exits at once.
+        A framework adapter calls this, has the framework save through its tierio manager with
+        ``reason=self.reason``, then calls :meth:`finish`."""
         self._saving = True
         print(f"tierio: emergency save of step {step} ({self.stats.signal or 'requested'})", file=sys.stderr, flush=True)
-        handle = self.manager.save(step, state, reason=f"emergency: {self._cause or self.stats.signal or 'requested'}")
-        left = lambda: max(0.0, opts.grace_seconds - (time.monotonic() - started))  # noqa: E731
+
+    def finish(self, step: int, *durable: Future[Any]) -> None:
+        """Wait until every future in ``durable`` is done (the save's commit; for a framework, also
+        the pointer it publishes), within ``grace_seconds`` of the signal; then exit with
+        ``exit_code`` (return when that is None). A failed save raises its error."""
+        opts, started = self.options, self._seen if self._seen is not None else time.monotonic()
         try:
-            # Committed: on tier 0 when it is shared, on the first shared tier when tier 0 is node-local.
-            handle.committed.result(left())
+            for future in durable:
+                future.result(max(0.0, opts.grace_seconds - (time.monotonic() - started)))
         except TimeoutError:
             print(f"tierio: step {step} was not durable within grace_seconds={opts.grace_seconds:g} of the signal; "
                   "exiting; the previous durable step restores (raise grace_seconds, up to the scheduler's grace "
@@ -152,7 +172,7 @@ class Preemption:
               f"{self.stats.signal or 'request'}", file=sys.stderr, flush=True)
         self._saving = False
         if opts.exit_code is None:
-            return handle
+            return
         if opts.requeue and self.manager.rank == 0 and os.environ.get("SLURM_JOB_ID"):
             subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=False, timeout=30)
         sys.stdout.flush()

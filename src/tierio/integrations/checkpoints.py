@@ -183,19 +183,27 @@ class PublishingSaver:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
 
-    def save(self, state: dict[str, Any], directory: Path, publish: Callable[[Pointer], None],
-             global_step: int | None = None, epoch: int | None = None) -> None:
-        """Stage ``state``; once it is durable, ``publish`` its pointer (``directory`` is where the
-        framework keeps its checkpoints: watched for the pointers retention must keep)."""
-        self.raise_error()
+    def start(self) -> CheckpointManager:
+        """The manager, created now if no save has created it yet (``Preemption`` needs it before
+        the first save)."""
         if self.manager is None:
             alone = {} if self.every_rank else {"rank": 0, "world_size": 1}
             self.manager = CheckpointManager(self.tiers, **alone, **self.options)
+        return self.manager
+
+    def save(self, state: dict[str, Any], directory: Path, publish: Callable[[Pointer], None],
+             global_step: int | None = None, epoch: int | None = None, reason: str | None = None) -> Future:
+        """Stage ``state``; once it is durable, ``publish`` its pointer (``directory`` is where the
+        framework keeps its checkpoints: watched for the pointers retention must keep). Returns a
+        future done once the pointer is published (on every rank: once the step is durable),
+        raising the save's or the publication's failure. ``reason`` goes into the manifest."""
+        self.raise_error()
+        manager = self.start()
         if self._next is None:
-            self._next = (self.manager.latest() or 0) + 1
+            self._next = (manager.latest() or 0) + 1
         step = self._next
         try:
-            handle = self.manager.save(step, state)
+            handle = manager.save(step, state, reason=reason)
         except UnstorableError as exc:
             raise UnstorableError(f"{self._advice} {exc}", exc.key) from None
         self._next = step + 1
@@ -205,22 +213,27 @@ class PublishingSaver:
         with self._lock:
             self._published = [f for f in self._published if not f.done()] + [done]
 
-        leader = self.manager.rank == 0
+        leader = manager.rank == 0
 
-        def on_durable(persisted: Future) -> None:
+        def on_durable(durable: Future) -> None:
             # A failed persist publishes nothing (the manager raises that failure itself).
+            failure = durable.exception()
             try:
-                if persisted.exception() is None and leader:
+                if failure is None and leader:
                     publish(pointer)
             except BaseException as exc:  # noqa: BLE001 - raised at the next save or at close
                 log.error("could not publish checkpoint step %d in %s: %s", step, directory, exc)
                 with self._lock:
                     self._error = self._error or exc
-            finally:
-                done.set_result(None)
+                failure = exc
+            if failure is None:
+                done.set_result(pointer)
+            else:
+                done.set_exception(failure)
 
         # Alone, durable on tier 0 is enough; with every rank, the step must be committed (all ranks' parts).
         (handle.committed if self.every_rank else handle.persisted).add_done_callback(on_durable)
+        return done
 
     def watch(self, directory: Path) -> None:
         """Count the pointers in ``directory`` among those retention keeps."""
