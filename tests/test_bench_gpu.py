@@ -1,5 +1,6 @@
-"""The GPU benchmark where there is no GPU: its arguments, its "nothing to measure" exit, the PCIe
-arithmetic and the table it prints from a result file (the measurements run in scripts/gpu-check.sh)."""
+"""The GPU tooling where there is no GPU: the benchmark's arguments, its "nothing to measure" exit,
+the PCIe arithmetic, the table it prints from a result file, and the GDS mode read from each kvikio
+generation (the measurements themselves run in scripts/gpu-check.sh)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,22 @@ def test_the_table_names_every_part_and_its_targets(tmp_path, capsys):
     assert "d2h_snapshot_vs_memcpy" in out and ">=0.8 met" in out and "d2h.snapshot_GB/s" in out and "40.00" in out
     assert "FAILED" in out and "no space" in out and "NCCL needs 2 GPUs" in out
     assert "d2h.pcie" in out and "nvidia-smi is not installed" in out and "compat" in out
+
+
+@pytest.mark.parametrize("defaults, expected", [
+    ({"is_compat_mode_preferred": lambda: False, "compat_mode": None}, False),  # kvikio >= 24.12
+    ({"compat_mode": lambda: True}, True),  # older kvikio: a function
+    ({"compat_mode": False}, False),  # the oldest: a value
+], ids=["preferred", "function", "value"])
+def test_gds_mode_is_read_from_every_kvikio_generation(monkeypatch, defaults, expected):
+    import sys
+    import types
+
+    from tierio.io import gds
+
+    kvikio = types.ModuleType("kvikio")
+    kvikio.defaults = types.SimpleNamespace(**defaults)
+    monkeypatch.setitem(sys.modules, "kvikio", kvikio)
+    monkeypatch.setitem(sys.modules, "kvikio.defaults", kvikio.defaults)
+    monkeypatch.setattr(gds, "available", lambda: True)
+    assert gds.compat_mode() is expected
