@@ -1,7 +1,8 @@
 """A cluster checkpoint over NCCL: 2 processes, one GPU each, save DTensors that live on their
 GPUs and restore them resharded (on the same 2 ranks with other placements, then whole in one
-process), every byte checked against the tensors made on the CPU. Marked ``gpu``; it needs two
-CUDA devices and skips, saying so, with fewer."""
+process), every byte checked against the tensors made on the CPU; then each rank on a "node" of its
+own saves with buddy copies (their exchange runs on a gloo group beside NCCL). Marked ``gpu``; it
+needs two CUDA devices and skips, saying so, with fewer."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-from tierio.ckpt import CheckpointManager, inspect, verify
+from tierio.ckpt import CheckpointManager, Tier, inspect, verify
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -51,6 +52,11 @@ def worker(rank: int, root: str, init: str) -> None:
             assert got.device_mesh.device_type == "cuda" and got.placements == tuple(other[n]), n
             assert torch.equal(got.full_tensor().cpu(), full(n)), n
         assert out["step"] == 1
+        tiers = [Tier(f"{root}/node{rank}", scope="node"), Tier(f"{root}/shared")]
+        with CheckpointManager(tiers, node=f"node{rank}", buddy=True, commit_timeout=60) as mgr:
+            h = mgr.save(2, {**state, "step": 2})
+            assert h.buddied.result(timeout=60) == 2  # the partner node holds this rank's copy
+            h.wait(timeout=60)
     finally:
         dist.destroy_process_group()
 
@@ -66,3 +72,4 @@ def test_two_nccl_ranks_save_and_restore_resharded(tmp_path):
         out = mgr.restore(into=into)
     for n in SHAPES:
         assert out["model"][n].is_cuda and torch.equal(out["model"][n].cpu(), full(n)), n
+    assert verify(tmp_path / "shared", 2).ok

@@ -147,7 +147,8 @@ def test_the_kv_device_tier_on_cuda_serves_the_bytes_of_its_cpu_stand_in():
             assert c.stats().device == (str(torch.device("cuda", torch.cuda.current_device())) if device == "cuda" else "cpu")
             assert_clean(c)
     want = torch.from_numpy(np.concatenate([block_of(k) for k in keys]))
-    assert set(seen["cuda"][0]) == {KVTier.DEVICE, KVTier.DRAM} and seen["cuda"][0] == seen["cpu"][0]
+    for tiers, *_ in seen.values():  # which blocks went down depends on timing; never more than the slots
+        assert set(tiers) == {KVTier.DEVICE, KVTier.DRAM} and tiers.count(KVTier.DEVICE) <= 4
     for got in seen["cuda"][1:] + seen["cpu"][1:]:
         assert torch.equal(got, want)
 
