@@ -7,14 +7,14 @@
 #
 #   OUT=/some/dir scripts/gpu-check.sh      (default OUT: ./gpu-check-out; logs and gpu-bench.json go there)
 #
-# The wheels: gpu-wheels/ (git-ignored, about 26 MiB), filled on a machine that reaches PyPI with
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d gpu-wheels -r scripts/gpu-wheels.txt
-# Without it, whatever is installed is used, and GDS is reported as not run.
+# The wheels: gpu-wheels/ (git-ignored, about 26 MiB; carried along with the tree), filled on a
+# machine that reaches PyPI by the command at the top of scripts/gpu-wheels.txt. Without the folder
+# whatever is installed is used, and GDS is reported as not run.
 # shellcheck disable=SC2317  # the functions run through check (bash -c), which shellcheck cannot follow
 set -uo pipefail
+OUT="$(realpath -m "${OUT:-$(dirname "$0")/../gpu-check-out}")"
 cd "$(dirname "$0")/.." || exit 1
 PY="${PYTHON:-python3}"
-OUT="${OUT:-$PWD/gpu-check-out}"
 WHEELS="${WHEELS:-$PWD/gpu-wheels}"
 BUDGET="${GPU_CHECK_SECONDS:-480}"  # every check's time limit is cut to what is left of this
 mkdir -p "$OUT"
@@ -28,7 +28,7 @@ fails=0
 
 row() { printf '%-4s  %-44s %s\n' "$1" "$2" "$3" >>"$ROWS"; }
 
-check() {  # check NAME SECONDS COMMAND...: PASS on status 0, SKIP on 77 (its last line says why), FAIL otherwise.
+check() {  # check NAME SECONDS COMMAND...: PASS on status 0, SKIP on 77, FAIL otherwise; the row shows the last line
   # COMMAND may be a function of this script: every function and setting below is exported for it.
   local name="$1" limit="$2" left=$((END - SECONDS)) log="$OUT/$1.log" rc
   shift 2
@@ -37,7 +37,7 @@ check() {  # check NAME SECONDS COMMAND...: PASS on status 0, SKIP on 77 (its la
   echo "== $name (at most ${limit}s)"
   timeout -k 10 "$limit" bash -c '"$@"' "$name" "$@" >"$log" 2>&1; rc=$?
   case "$rc" in
-    0) row PASS "$name" "" ;;
+    0) row PASS "$name" "$(tail -n 1 "$log")" ;;
     77) row SKIP "$name" "$(tail -n 1 "$log")" ;;
     124 | 137) row FAIL "$name" "timed out after ${limit}s ($log)"; fails=$((fails + 1)) ;;
     *) row FAIL "$name" "status $rc ($log)"; tail -n 20 "$log" | sed 's/^/    /'; fails=$((fails + 1)) ;;

@@ -50,7 +50,7 @@ PCIE_ENCODING = {1: 0.8, 2: 0.8, 3: 128 / 130, 4: 128 / 130, 5: 128 / 130, 6: 24
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tierio.bench.gpu", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", help="folder for gpu-bench.json (also printed on stdout)")
+    p.add_argument("--out", help="folder for gpu-bench.json (then stdout has the table; without it, the JSON)")
     p.add_argument("--dir", help="work folder for the weight file and checkpoints (default: a temporary one)")
     p.add_argument("--size", default="2GiB", help="bytes of the state that d2h and save copy (default 2GiB)")
     p.add_argument("--weights-size", default="2GiB", help="bytes of the weight file (default 2GiB)")
@@ -282,10 +282,13 @@ def main(argv: list[str] | None = None) -> int:
         return SKIP
     res = run(args)
     text = json.dumps(res, indent=1, default=str)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "gpu-bench.json").write_text(text + "\n")
-    print(text)
+    if args.out:  # the file has the figures; the output ends with where it is
+        out = Path(args.out) / "gpu-bench.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+        print("\n".join(table(res)) + f"\nfigures in {out}")
+    else:
+        print(text)
     return 1 if any(isinstance(res.get(p), dict) and "error" in res[p] for p in PARTS) else 0
 
 
