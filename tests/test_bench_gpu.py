@@ -55,7 +55,7 @@ def test_the_table_names_every_part_and_its_targets(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("defaults, expected", [
-    ({"is_compat_mode_preferred": lambda: False, "compat_mode": None}, False),  # kvikio >= 24.12
+    ({"is_compat_mode_preferred": lambda: False, "compat_mode": None}, False),  # newer kvikio (26.10 has no compat_mode)
     ({"compat_mode": lambda: True}, True),  # older kvikio: a function
     ({"compat_mode": False}, False),  # the oldest: a value
 ], ids=["preferred", "function", "value"])

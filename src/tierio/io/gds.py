@@ -35,7 +35,7 @@ def compat_mode() -> bool | None:
         return None
     import kvikio.defaults as defaults
 
-    if hasattr(defaults, "is_compat_mode_preferred"):  # kvikio >= 24.12: AUTO resolved to what runs
+    if hasattr(defaults, "is_compat_mode_preferred"):  # newer kvikio (compat mode AUTO): what will run
         return bool(defaults.is_compat_mode_preferred())
     mode = defaults.compat_mode  # older kvikio: a function, in the oldest a value
     return bool(mode() if callable(mode) else mode)
