@@ -1,5 +1,6 @@
 """The framework runs scripts/gpu-check.sh makes on a GPU (Accelerate's FSDP2 plugin and Lightning's
-FSDPStrategy run on accelerators only). One check per call, run under torchrun with one process:
+FSDPStrategy run on accelerators only). One check per call, under torchrun with one process
+(pl-compare only compares two files):
 
   gpu_frameworks.py hf-fsdp2 ROOT save|resume   the Trainer under FSDP2 saves at steps 2 and 4; the
                                                  resume restores step 4: the weights equal the saved ones
