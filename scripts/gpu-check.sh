@@ -1,123 +1,125 @@
 #!/usr/bin/env bash
-# Checks of the framework runs the CPU tests cannot make (Accelerate's FSDP2 plugin and Lightning's
-# FSDPStrategy run on accelerators only): on a machine with one CUDA GPU and torch built with CUDA.
-# Each check is short and prints one PASS, FAIL or SKIP line; the exit status is the number of FAILs.
-#   scripts/gpu-check.sh            (from the repository root, the package importable)
+# What "verified on a GPU" means for tierio. On a machine with CUDA (no network needed), in at most
+# 8 minutes: install tierio from this tree and the wheels brought along; run every GPU-marked test
+# (each GPU path checked byte for byte against the CPU path's); measure the GPU paths (JSON into
+# $OUT); run the framework checks that need a GPU; print one summary table. Exit status: the number
+# of failed checks (0: all passed or skipped with a reason).
+#
+#   OUT=/some/dir scripts/gpu-check.sh      (default OUT: ./gpu-check-out; logs and gpu-bench.json go there)
+#
+# The wheels: gpu-wheels/ (git-ignored, about 26 MiB; carried along with the tree), filled on a
+# machine that reaches PyPI by the command at the top of scripts/gpu-wheels.txt. Without the folder
+# whatever is installed is used, and GDS is reported as not run.
+# shellcheck disable=SC2317  # the functions run through check (bash -c), which shellcheck cannot follow
 set -uo pipefail
-cd "$(dirname "$0")/.."
+OUT="$(realpath -m "${OUT:-$(dirname "$0")/../gpu-check-out}")"
+cd "$(dirname "$0")/.." || exit 1
 PY="${PYTHON:-python3}"
+WHEELS="${WHEELS:-$PWD/gpu-wheels}"
+BUDGET="${GPU_CHECK_SECONDS:-480}"  # every check's time limit is cut to what is left of this
+mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
-WORK="$(mktemp -d /tmp/tierio-gpu-check-XXXX)"
+# On the tree's disk, not /tmp (often tmpfs): the weight loads read a real filesystem, cold.
+WORK="$(mktemp -d "${GPU_CHECK_DIR:-$PWD}/.gpu-check-XXXX")"
 trap 'rm -rf "$WORK"' EXIT
+END=$((SECONDS + BUDGET))
+ROWS="$WORK/rows"
 fails=0
 
-check() {  # check NAME COMMAND...: PASS on status 0, SKIP on 77, FAIL otherwise (the output's tail shown)
-  local name="$1"; shift
-  local log="$WORK/$name.log" rc
-  timeout 300 "$@" >"$log" 2>&1; rc=$?
-  if [ "$rc" -eq 0 ]; then echo "PASS $name"
-  elif [ "$rc" -eq 77 ]; then echo "SKIP $name: $(tail -n 1 "$log")"
-  else echo "FAIL $name (status $rc)"; tail -n 20 "$log" | sed 's/^/    /'; fails=$((fails + 1)); fi
+row() { printf '%-4s  %-44s %s\n' "$1" "$2" "$3" >>"$ROWS"; }
+
+check() {  # check NAME SECONDS COMMAND...: PASS on status 0, SKIP on 77, FAIL otherwise; the row shows the last line
+  # COMMAND may be a function of this script: every function and setting below is exported for it.
+  local name="$1" limit="$2" left=$((END - SECONDS)) log="$OUT/$1.log" rc
+  shift 2
+  if [ "$left" -lt 15 ]; then row FAIL "$name" "not started: the ${BUDGET}s budget is spent"; fails=$((fails + 1)); return; fi
+  [ "$limit" -gt "$left" ] && limit="$left"
+  echo "== $name (at most ${limit}s)"
+  timeout -k 10 "$limit" bash -c '"$@"' "$name" "$@" >"$log" 2>&1; rc=$?
+  case "$rc" in
+    0) row PASS "$name" "$(tail -n 1 "$log")" ;;
+    77) row SKIP "$name" "$(tail -n 1 "$log")" ;;
+    124 | 137) row FAIL "$name" "timed out after ${limit}s ($log)"; fails=$((fails + 1)) ;;
+    *) row FAIL "$name" "status $rc ($log)"; tail -n 20 "$log" | sed 's/^/    /'; fails=$((fails + 1)) ;;
+  esac
 }
 
+# -- the machine and the installs ------------------------------------------------------------------
+"$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
+  || { echo "FAIL cuda: torch.cuda.is_available() is False: nothing on this machine to verify"; exit 1; }
+nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || true
+"$PY" -c 'import torch; print(torch.cuda.device_count(), "x", torch.cuda.get_device_name(0), "torch", torch.__version__, "CUDA", torch.version.cuda)' | tee "$OUT/machine.txt"
+df -T "$WORK" >"$OUT/disk.txt"
+CUDA_MAJOR="$("$PY" -c 'import torch; print(torch.version.cuda.split(".")[0])')"
+export PY WHEELS WORK CUDA_MAJOR
+
+export PIP_BREAK_SYSTEM_PACKAGES=1  # a lent machine's Python may be the system's; it is wiped after the run
+offline() { "$PY" -m pip install --no-index --find-links "$WHEELS" --disable-pip-version-check "$@"; }
+install_tierio() {  # editable, no dependencies; the build backend from the folder (or the installed one)
+  if [ -d "$WHEELS" ]; then offline --no-deps -e .; else "$PY" -m pip install --no-build-isolation --no-deps -e .; fi
+}
+install_wheels() {  # what tierio and the tests import; pip takes from the folder only what is missing
+  [ -d "$WHEELS" ] || { echo "no $WHEELS folder: using what is installed"; return 77; }
+  offline boto3 pytest pytest-timeout
+}
+install_kvikio() {  # the CUDA 12 or 13 build, matching torch; CuPy and cuFile are the machine's own
+  [ -d "$WHEELS" ] || { echo "no $WHEELS folder: GDS is not run"; return 77; }
+  offline --no-deps "kvikio-cu$CUDA_MAJOR" "libkvikio-cu$CUDA_MAJOR" rapids-logger cuda-pathfinder \
+    || { echo "kvikio-cu$CUDA_MAJOR did not install: GDS is not run"; return 77; }
+}
+gds_mode() {  # SKIP (with kvikio's own error) when GDS cannot run; else say which mode will run
+  "$PY" -c '
+import sys
+from tierio.io import gds
+try:
+    import kvikio  # noqa: F401 - the error says why GDS cannot run
+except Exception as exc:
+    msg = " ".join(str(exc).split())[:200]
+    print(f"kvikio does not import ({msg}): GDS is not run"); sys.exit(77)
+print("GDS", "in compatibility mode (POSIX reads, no GPUDirect)" if gds.compat_mode() else "with GPUDirect")
+sys.exit(0 if gds.available() else 77)'
+}
+export -f offline install_tierio install_wheels install_kvikio gds_mode
+check install-tierio 120 install_tierio
+check install-wheels 120 install_wheels
+check install-kvikio 60 install_kvikio
+check gds-mode 60 gds_mode
+
+# -- the GPU-marked tests: every accelerator path against the CPU path's bytes ---------------------
+check pytest-gpu 180 "$PY" -m pytest -q -rA -m gpu -p no:cacheprovider --timeout=150 tests/test_gpu_paths.py tests/test_gpu_nccl.py
+grep -E '^(PASSED|FAILED|ERROR|SKIPPED)' "$OUT/pytest-gpu.log" 2>/dev/null | sed 's/^/      /' >>"$ROWS"
+
+# -- the benchmarks ---------------------------------------------------------------------------------
+check bench-gpu 200 "$PY" -m tierio.bench.gpu --out "$OUT" --dir "$WORK"
+
+# -- framework runs on the GPU (scripts/gpu_frameworks.py) -----------------------------------------
 port() { "$PY" -c 'from tierio.storage.seaweed import free_port; print(free_port())'; }
 run1() { "$PY" -m torch.distributed.run --nproc_per_node 1 --master_addr 127.0.0.1 --master_port "$(port)" "$@"; }
-
-"$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
-  || { echo "FAIL cuda: torch.cuda.is_available() is False"; exit 1; }
-
-# The Trainer under Accelerate's FSDP2 plugin: saves at steps 2 and 4 through tierio, then a resume
-# (resume_from_checkpoint=True) restores step 4 and trains no further: the weights equal the saved ones.
-cat >"$WORK/hf_fsdp2.py" <<'PY'
-import sys, warnings
-from pathlib import Path
-import torch
-from safetensors.torch import load_file
-from transformers import TrainingArguments
-import training_jobs
-from tierio.integrations.hf import TierioTrainer
-warnings.filterwarnings("ignore")
-root, resume = Path(sys.argv[1]), sys.argv[2] == "resume"
-args = TrainingArguments(str(root / "out"), max_steps=4, save_steps=2, per_device_train_batch_size=4, report_to=[],
-                         seed=7, disable_tqdm=True, fsdp=True,
-                         fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]})
-t = TierioTrainer(model=training_jobs.tiny_gpt2(), args=args, train_dataset=training_jobs.TokenData(),
-                  tierio_tiers=[str(root / "t0")])
-assert t.is_fsdp_enabled and t.tierio.sharded, "Accelerate did not enable FSDP2"
-t.train(resume_from_checkpoint=True if resume else None)
-training_jobs.dump_full(root / ("restored.safetensors" if resume else "saved.safetensors"), t.model, t.optimizer)
-if resume:
-    want, got = load_file(str(root / "saved.safetensors")), load_file(str(root / "restored.safetensors"))
-    bad = [k for k in want if not torch.equal(want[k], got[k])]
-    assert want.keys() == got.keys() and not bad, bad[:5]
-PY
-hf_fsdp2() { run1 "$WORK/hf_fsdp2.py" "$WORK/hf" save && run1 "$WORK/hf_fsdp2.py" "$WORK/hf" resume; }
-check hf-trainer-fsdp2-save-resume hf_fsdp2
-
-# DeepSpeed through the Trainer: refused with a ConfigError naming the option (SKIP without deepspeed).
-cat >"$WORK/hf_deepspeed.py" <<'PY'
-import sys
-try:
-    import deepspeed  # noqa: F401
-except ImportError:
-    print("deepspeed is not installed"); sys.exit(77)
-from transformers import TrainingArguments
-import training_jobs
-from tierio.errors import ConfigError
-from tierio.integrations.hf import TierioTrainer
-ds = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
-args = TrainingArguments(sys.argv[1], max_steps=2, report_to=[], deepspeed=ds)
-try:
-    TierioTrainer(model=training_jobs.tiny_gpt2(), args=args, train_dataset=training_jobs.TokenData(),
-                  tierio_tiers=[sys.argv[1] + "/t0"])
-except ConfigError as exc:
-    assert "deepspeed=" in str(exc) and "fsdp_config" in str(exc), exc
-    sys.exit(0)
-sys.exit("DeepSpeed was not refused")
-PY
-check hf-trainer-deepspeed-refused run1 "$WORK/hf_deepspeed.py" "$WORK/ds"
-
-# Lightning's ModelParallelStrategy (FSDP2) on the GPU over NCCL: the CPU test's job, saved, then resumed.
-lightning_mp() {
-  export TIERIO_JOB_ACCELERATOR=gpu
-  local tiers="[\"$WORK/pl/t0\"]"
-  run1 tests/training_jobs.py lightning-fsdp "$WORK/pl" --tiers "$tiers" --length 2 \
-    && run1 tests/training_jobs.py lightning-fsdp "$WORK/pl" --tiers "$tiers" --length 3 --resume \
-    && "$PY" - "$WORK/pl" <<'PY'
-import sys, torch
-from safetensors.torch import load_file
-want, got = load_file(f"{sys.argv[1]}/final-1.safetensors"), load_file(f"{sys.argv[1]}/restored-1.safetensors")
-assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
-PY
+frameworks() { run1 scripts/gpu_frameworks.py "$@"; }
+needs() {  # SKIP a check whose framework is not installed (torchrun would turn a child's 77 into 1)
+  local m; for m in "$@"; do "$PY" -c "import $m" 2>/dev/null || { echo "$m is not installed: not run"; return 77; }; done
 }
-check lightning-model-parallel-save-resume lightning_mp
+hf_fsdp2() { needs transformers accelerate && frameworks hf-fsdp2 "$WORK/hf" save && frameworks hf-fsdp2 "$WORK/hf" resume; }
+hf_deepspeed() { needs deepspeed transformers accelerate && frameworks hf-deepspeed "$WORK/ds"; }
+lightning_mp() {  # the CPU test's job (tests/training_jobs.py) over NCCL on the GPU: saved, resumed, compared
+  local tiers="[\"$WORK/pl/t0\"]"
+  needs lightning || return
+  TIERIO_JOB_ACCELERATOR=gpu run1 tests/training_jobs.py lightning-fsdp "$WORK/pl" --tiers "$tiers" --length 2 \
+    && TIERIO_JOB_ACCELERATOR=gpu run1 tests/training_jobs.py lightning-fsdp "$WORK/pl" --tiers "$tiers" --length 3 --resume \
+    && "$PY" scripts/gpu_frameworks.py pl-compare "$WORK/pl"
+}
+lightning_fsdp1() { needs lightning && frameworks pl-fsdp1 "$WORK/pl1"; }
+export -f port run1 frameworks needs hf_fsdp2 hf_deepspeed lightning_mp lightning_fsdp1
+check hf-trainer-fsdp2-save-resume 90 hf_fsdp2
+check hf-trainer-deepspeed-refused 60 hf_deepspeed
+check lightning-model-parallel-save-resume 90 lightning_mp
+check lightning-fsdp1-full-through-plugin 60 lightning_fsdp1
 
-# Lightning's FSDPStrategy (FSDP1, GPU only) with the plugin: state_dict_type="full" gathers the state
-# on rank 0 and saves through TierioCheckpointIO; the .ckpt is a tierio pointer that loads back.
-cat >"$WORK/pl_fsdp1.py" <<'PY'
-import sys, warnings
-from pathlib import Path
-import torch
-import lightning.pytorch as pl
-from lightning.pytorch.demos.boring_classes import BoringModel
-from lightning.pytorch.strategies import FSDPStrategy
-from tierio.integrations.checkpoints import Pointer
-from tierio.integrations.lightning import TierioCheckpointIO
-warnings.filterwarnings("ignore")
-root = Path(sys.argv[1])
-io = TierioCheckpointIO([str(root / "t0")])
-trainer = pl.Trainer(max_steps=4, accelerator="gpu", devices=1, strategy=FSDPStrategy(state_dict_type="full"),
-                     plugins=[io], logger=False, enable_progress_bar=False, default_root_dir=str(root))
-model = BoringModel()
-trainer.fit(model)
-trainer.save_checkpoint(root / "m.ckpt")
-io.wait_published()
-Pointer.read(root / "m.ckpt")  # a tierio pointer, not a torch file
-state = TierioCheckpointIO([str(root / "t0")]).load_checkpoint(root / "m.ckpt")["state_dict"]
-for k, v in model.state_dict().items():
-    assert torch.equal(state[k].cpu(), v.cpu()), k
-PY
-check lightning-fsdp1-full-through-plugin run1 "$WORK/pl_fsdp1.py" "$WORK/pl1"
-
-echo "gpu-check: $fails failed"
+# -- one summary table ------------------------------------------------------------------------------
+echo
+echo "gpu-check: $(cat "$OUT/machine.txt"), work on $(df --output=fstype "$WORK" | tail -n 1), ${SECONDS}s"
+cat "$ROWS"
+[ -f "$OUT/gpu-bench.json" ] && "$PY" -m tierio.bench.gpu --table "$OUT/gpu-bench.json" | sed 's/^/      /'
+cp "$ROWS" "$OUT/summary.txt"
+echo "gpu-check: $fails failed (logs and gpu-bench.json in $OUT)"
 exit "$fails"

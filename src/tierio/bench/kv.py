@@ -20,8 +20,9 @@ peer and each keeps its best.
   what it took here.
 * ``device_get_vs_memcpy`` (only where CUDA is available; otherwise ``"device"`` says why it was
   skipped): a batched get of ``--device-size`` (default 1 GiB) of blocks from the device tier into a
-  CUDA tensor, against one device-to-device ``copy_`` of the same bytes into the same tensor. It has
-  no target: it tells what the tier's per-block copies cost on this GPU.
+  CUDA tensor, against one device-to-device ``copy_`` of the same bytes into the same tensor; and
+  ``device_put_vs_memcpy``, a put of those blocks from a CUDA tensor into a new cache's device tier,
+  against the same copy. They have no target: they tell what the tier's per-block copies cost on this GPU.
 * ``lookup_keys_per_s``: keys resolved per second by ``lookup`` of 1,000-block chains.
 * ``miss_overhead``: tokens per second of the greedy reference loop (prefill, then decode) with
   tierio at a 0% hit rate (every prompt new: hashed, looked up, its blocks stored) ÷ without;
@@ -160,31 +161,34 @@ def bench_device(size: int, layout: BlockLayout, rounds: int) -> dict:
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     cfg = KVConfig(dram_bytes=2 * layout.block_bytes, device_bytes=(n + 1) * layout.block_bytes)
-    with KVCache(layout, Namespace("bench-kv"), cfg) as cache:
-        keys = _chain(cache, n, 4)
-        stored = cache.put(keys, src).result()
-        assert stored.stored == n and cache.lookup(keys).tiers == [KVTier.DEVICE] * n, stored
-        gets, copies = [], []
+    puts, gets, copies = [], [], []
 
-        def copy() -> None:
-            dst.copy_(src)
+    def copy() -> None:
+        dst.copy_(src)
+        torch.cuda.synchronize()
+
+    for _ in range(max(1, rounds) + 1):  # the first round warms up: dropped
+        with KVCache(layout, Namespace("bench-kv"), cfg) as cache:  # a new cache: the put stores every block
+            keys = _chain(cache, n, 4)
             torch.cuda.synchronize()
-
-        for _ in range(max(1, rounds) + 1):  # the first round warms up: dropped
+            stored, t = _timed(lambda: cache.put(keys, src).result())
+            assert stored.stored == n and cache.lookup(keys).tiers == [KVTier.DEVICE] * n, stored
+            puts.append(t)
             res, t = _timed(lambda: cache.get(keys, dst).result())
             assert res.blocks == n and res.tiers == [KVTier.DEVICE] * n, res
             gets.append(t)
             _, t = _timed(copy)
             copies.append(t)
-        dst.zero_()
-        cache.get(keys, dst).result()
-        if not torch.equal(dst, src):
-            raise AssertionError("the device get delivered other bytes than were put")
-        device = cache.stats().device
-    get_s, copy_s = min(gets[1:]), min(copies[1:])
-    return {"device": device, "bytes": nbytes, "blocks": n, "get_seconds": get_s, "memcpy_seconds": copy_s,
-            "get_bytes_per_s": nbytes / get_s, "memcpy_bytes_per_s": nbytes / copy_s,
-            "all_get_seconds": gets[1:], "all_memcpy_seconds": copies[1:]}
+            dst.zero_()
+            cache.get(keys, dst).result()
+            if not torch.equal(dst, src):
+                raise AssertionError("the device get delivered other bytes than were put")
+            device = cache.stats().device
+    put_s, get_s, copy_s = min(puts[1:]), min(gets[1:]), min(copies[1:])
+    return {"device": device, "bytes": nbytes, "blocks": n, "put_seconds": put_s, "get_seconds": get_s,
+            "memcpy_seconds": copy_s, "put_bytes_per_s": nbytes / put_s, "get_bytes_per_s": nbytes / get_s,
+            "memcpy_bytes_per_s": nbytes / copy_s, "all_put_seconds": puts[1:], "all_get_seconds": gets[1:],
+            "all_memcpy_seconds": copies[1:]}
 
 
 # -- lookups -----------------------------------------------------------------------------------------
@@ -323,6 +327,7 @@ def run(args) -> dict:
         if skipped is None:
             res["device"] = device = bench_device(parse_size(args.device_size), layout, args.repeat)
             ratios["device_get_vs_memcpy"] = device["memcpy_seconds"] / device["get_seconds"]
+            ratios["device_put_vs_memcpy"] = device["memcpy_seconds"] / device["put_seconds"]
         else:
             res["device"] = {"skipped": skipped}
         if not args.no_model:

@@ -29,15 +29,16 @@ def available() -> bool:
 
 
 def compat_mode() -> bool | None:
-    """True when kvikio runs in POSIX compatibility mode (no real GDS driver); None without kvikio."""
+    """True when kvikio reads by POSIX calls instead of GPUDirect (compatibility mode, set or
+    chosen because cuFile cannot run here); None without kvikio."""
     if not available():
         return None
-    import kvikio.defaults
+    import kvikio.defaults as defaults
 
-    try:
-        return bool(kvikio.defaults.compat_mode())
-    except AttributeError:  # older kvikio
-        return bool(kvikio.defaults.compat_mode)
+    if hasattr(defaults, "is_compat_mode_preferred"):  # newer kvikio (compat mode AUTO): what will run
+        return bool(defaults.is_compat_mode_preferred())
+    mode = defaults.compat_mode  # older kvikio: a function, in the oldest a value
+    return bool(mode() if callable(mode) else mode)
 
 
 def read_to_device(path: str | Path, tensor, file_offset: int = 0) -> int:
