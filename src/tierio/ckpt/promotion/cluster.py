@@ -162,11 +162,14 @@ def commit_copy_on(cl: Cluster, dst: Store, raw: bytes, man: Manifest) -> None:
     mine = fragment_key(step, cl.rank, token)
     dst.put_buffers(mine, [b"{}"])
     if cl.rank != 0:
-        # Done when this checkpoint's manifest is there. Not "when my marker is gone": a marker a
-        # dead run left with the same digest may have let rank 0 commit before this one was
-        # written, and then nobody removes it (seen after a SIGKILL of a 2-rank job).
-        # A look is one existence check; the manifest is read only once one is there.
-        poll_until(lambda: dst.exists(manifest_key(step)) and manifest_on(dst, step) == raw,
+        # Done when this checkpoint's manifest is there, or when rank 0 has removed this marker
+        # (it does so only after committing). Either alone can miss: a marker a dead run left with
+        # the same digest may let rank 0 commit and remove the markers before this one is written
+        # (seen after a SIGKILL of a 2-rank job: then the manifest says it), and retention may
+        # delete the committed step again before this rank looks (seen under Lightning with
+        # frequent saves: then the marker's absence says it). A look is one or two existence
+        # checks; the manifest is read only once one is there.
+        poll_until(lambda: not dst.exists(mine) or (dst.exists(manifest_key(step)) and manifest_on(dst, step) == raw),
                    lambda: f"rank 0 to commit step {step} on {dst.url}; did rank 0 die?", cl.wait)
         try:
             dst.delete(mine)  # rank 0 removes the markers it saw; one written after that goes here
