@@ -208,13 +208,16 @@ class Preemption:
         import torch.distributed as dist
 
         key, world = f"{self._key}/persisted/{step}", self.manager.world_size
-        self._count_to(key, world, left, self._store.add(key, 1))
-        seen = self._store.add(f"{key}/seen", 1)
-        if dist.get_rank() == 0:
-            try:
-                self._count_to(f"{key}/seen", world, left, seen)
-            except TimeoutError:
-                pass  # every part is durable: only the others' exit was not seen
+        try:
+            self._count_to(key, world, left, self._store.add(key, 1))
+            seen = self._store.add(f"{key}/seen", 1)
+            if dist.get_rank() == 0:
+                try:
+                    self._count_to(f"{key}/seen", world, left, seen)
+                except TimeoutError:
+                    pass  # every part is durable: only the others' exit was not seen
+        except RuntimeError as exc:  # the store is gone (its host exited): nobody can count any more
+            raise TimeoutError(f"the TCPStore stopped answering while counting the parts of step {step}: {exc}") from exc
 
     def _count_to(self, key: str, n: int, left: Callable[[], float], count: int) -> None:
         """Poll the counter ``key`` on the store until it reaches ``n`` (TimeoutError after ``left()``)."""
