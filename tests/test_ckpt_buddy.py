@@ -78,7 +78,11 @@ def restore_worker(rank: int, root: str, init: str) -> None:
             assert mgr.restored_step == 2 and same(out, state(rank, 2, LARGE))
             assert mgr.restored_from.endswith(f"/node{rank // 2}")  # node 1's ranks: their copies written back
         dist.barrier()
-        if rank == 0:  # node 1 is lost again, and node 0's copy of rank 2's shard is corrupt
+        # the restored step is published as the manager closes: committed on the shared tier now
+        assert [c.step for c in list_checkpoints(f"{root}/shared")] == [1, 2]
+        dist.barrier()
+        if rank == 0:  # step 2 only on the nodes again; node 1 is lost again; node 0's copy of rank 2's shard is corrupt
+            shutil.rmtree(f"{root}/shared/step_000000002")
             shutil.rmtree(f"{root}/node1")
             with open(f"{root}/node0/buddy/node1/step_000000002/rank_00002.safetensors", "r+b") as f:
                 f.seek(-1, os.SEEK_END)

@@ -1,10 +1,13 @@
 """torchtitan's checkpoint component on tierio tiers (``tierio.integrations.torchtitan``): an FSDP2 job
 saves asynchronously on 4 real gloo processes, resumes on 2 and on 1 bit-exact against the full tensors
-the 4-process run held, and the options tierio cannot honour are refused by name."""
+the 4-process run held, and the options tierio cannot honour are refused by name. With
+``preemption=True``, SIGTERM to torchrun saves the step the ranks reached, and it resumes bit-exact."""
 
 from __future__ import annotations
 
 import json
+import re
+import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -72,3 +75,28 @@ def test_torchtitan_checkpoint_ids_are_tierio_steps():
     assert tierio_step("/runs/a/checkpoint/step-12") == 12 and tierio_step("s3://b/run/step-0/") == 0
     with pytest.raises(ConfigError, match="step-N"):
         tierio_step("/runs/a/checkpoint/step_000000012")
+
+
+def test_sigterm_to_torchrun_saves_the_step_the_ranks_reached_and_it_resumes_bit_exact(tmp_path):
+    proc = titan_job.start_torchrun("preempt", tmp_path, 2)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # both ranks print each step; step 3 follows an asynchronous save of step 2
+            if line.startswith("step 3"):
+                break
+        proc.send_signal(signal.SIGTERM)  # as a scheduler does: torchrun's agent passes it on to its workers
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    durable = {int(m.group(1)) for m in re.finditer(r"tierio: step (\d+) durable in [0-9.]+ s after SIGTERM", err)}
+    assert len(durable) == 1 and err.count("tierio: emergency save") == 2, err[-4000:]
+    step = durable.pop()
+    infos = list_checkpoints(tmp_path / "nvme")
+    assert infos[-1].step == step and infos[-1].reason == "emergency: SIGTERM"
+    _ok(titan_job.torchrun("resume", tmp_path, 2))
+    for rank in range(2):
+        held, got = load_file(tmp_path / f"held-{rank}.safetensors"), load_file(tmp_path / f"resume-2-{rank}.safetensors")
+        assert int(held["step"]) == step and sorted(got) == sorted(held)
+        for k, v in held.items():
+            assert torch.equal(got[k], v), (rank, k)

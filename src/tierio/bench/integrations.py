@@ -15,7 +15,8 @@ at most ``MAX_BYTES``: torch.save keeps up to three in-memory copies of it.
 The GIL tax (bench/gil.py): a Python-heavy step idle and while tierio, DCP's thread-based and
 DCP's process-based async saves write (``step_during_persist_vs_idle``,
 ``step_slowdown_vs_dcp_process``). Preemption (bench/preempt.py): SIGTERM to both ranks of a
-2-rank job until the emergency step is durable (``preempt_signal_to_durable_s``, beside fio).
+2-rank job until the emergency step is durable, on a shared tier 0 and on node-local ones
+(``preempt_signal_to_durable_s``, ``preempt_signal_to_durable_nodelocal_s``, beside fio).
 DDP inside the frameworks (bench/ddp.py): the bytes each of 4 ranks writes and the save stall of 2
 ranks against a memcpy (``ddp_bytes_per_rank_vs_even``, ``trainer_ddp_stall_vs_memcpy``, ...).
 """

@@ -38,7 +38,7 @@ from tierio.units import parse_size
 
 from tierio.ckpt.options import CheckpointOptions
 from tierio.ckpt.promotion.buddy import Buddy
-from tierio.ckpt.promotion.buddy_restore import agree as agree_node_copies
+from tierio.ckpt.promotion.buddy_restore import node_copies
 from tierio.ckpt.promotion.cluster import Cluster
 from tierio.ckpt.promotion.copy import copy_pool
 from tierio.ckpt.promotion.fill import fill_after_restore
@@ -123,6 +123,11 @@ class CheckpointManager:
     @property
     def tiers(self) -> list[str]:
         return [t.url for t in self._tiers]
+
+    @property
+    def node_local(self) -> bool:
+        """Whether tier 0 is per node: a save is ``persisted`` there before its global ``committed``."""
+        return self._tiers[0].node_local
 
     @property
     def run_id(self) -> str | None:
@@ -254,15 +259,15 @@ class CheckpointManager:
         self._settle(report=False)
         self._book.drain(promotions=False)
         started = time.perf_counter()
-        shared, copies = self.steps(), None
-        if self._buddy is not None and self._buddy.active:
-            self._buddy.idle()  # the buddy group is this thread's now
-            copies = agree_node_copies(self._buddy, self._group, shared)
+        shared = self.steps()  # and, with a node-local tier 0, the steps every rank's part of is on the nodes
+        copies = node_copies(self._tiers[0], self.rank, self.world_size, self._buddy, self._group, shared)
         candidates = [step] if step is not None else sorted(set(shared) | set(copies.plans if copies else ()), reverse=True)
         req = recovery.Request(self.rank, self.world_size, into, per_rank, self._tiers, self.sources, mapped=mapped,
                                node_copies=copies)
         got = recovery.restore(req, candidates, recovery.Agreement(self._group, self.world_size), step is not None)
         self._book.restored(got.step)
+        if copies is not None and got.step in copies.plans:  # committed nowhere yet: published behind
+            self._promoter.publish_later(got.step, *copies.publication(got.step, self._cluster.run()))
         self.restored_step, self.restored_from = got.step, got.url
         self._last_restore = {"step": got.step, "from": got.url, **got.stats.to_dict()}
         fill = fill_after_restore(self._tiers, got.step, got.url, self.world_size)

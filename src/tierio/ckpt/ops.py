@@ -1,6 +1,7 @@
 """Operations on one tier URL, for the command line and scripts (no manager needed).
 
     list_checkpoints(url)            -> [CheckpointInfo]   committed steps, newest last
+    list_node_parts(url, shared)     -> [NodeParts]        a node-local tier's steps (committed on ``shared``?)
     inspect(url, step=None)          -> Manifest           (latest when step is None)
     verify(url, step=None)           -> VerifyReport       every chunk of every shard
     promote(src_url, dst_url, step)  -> CopyStats          same bytes, verified, manifest last
@@ -18,21 +19,21 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tierio.errors import NotFoundError, TierioError
-from tierio.format.manifest import Manifest, check_globals
-from tierio.format.shard import manifest_key, step_dir
+from tierio.format.manifest import Manifest, check_globals, parse_record_head
+from tierio.format.shard import RecordName, manifest_key, parse_record_name, shard_name, step_dir, step_key
 from tierio.io.limiter import TokenBucket
-from tierio.storage.base import Store
+from tierio.storage.base import Store, read_bytes, where
 from tierio.storage.url import open_store
 from tierio.units import parse_size
 from tierio.stats import Stats
 
-from tierio.ckpt.steps.commit import read_records
+from tierio.ckpt.steps.commit import check_record, read_records
 from tierio.ckpt.promotion.copy import CopyStats, copy_step
 from tierio.ckpt.steps.gc import GcOptions, GcReport, GcTier, collect
-from tierio.ckpt.steps.lease import Holder, tool_lease
+from tierio.ckpt.steps.lease import NODE_LOCK, Holder, tool_lease
 from tierio.ckpt.steps.lease import unlock as unlock_lease
 from tierio.ckpt.steps.lineage import Lineage
-from tierio.ckpt.steps.reader import VerifyReport, committed_steps, read_manifest, step_dirs, verify_copy
+from tierio.ckpt.steps.reader import VerifyReport, committed_in, committed_steps, read_manifest, step_dirs, verify_copy
 from tierio.ckpt.steps.retention import Retention, parse_retention
 
 
@@ -51,6 +52,65 @@ class CheckpointInfo(Stats):
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class NodeParts(Stats):
+    """A step on a node-local tier (which never holds manifests): the parts of it this node's ranks
+    wrote. It restores from the node-local tiers when every rank's part is on its node's tier 0,
+    and is committed once a shared tier holds its manifest (``tierio ckpt ls`` there)."""
+
+    step: int
+    ranks: list[int]  # the ranks whose part (record and shard) is here
+    world_size: int
+    bytes: int
+    run: str | None = None
+    reason: str | None = None  # why it was saved off schedule ("emergency: SIGTERM")
+    committed: bool | None = None  # its manifest is on the shared tier given (None: none given)
+    error: str | None = None  # set when a record here is unreadable
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def list_node_parts(url: str | Path | Store, shared: str | Path | Store | None = None) -> list[NodeParts]:
+    """The steps a node-local tier holds parts of (empty on a shared tier: one with a manifest, or
+    without a node tier's lock file); each record is checked against its xxh3. With ``shared``
+    (the tier the steps are committed on), each says whether its manifest is there."""
+    store = _store(url)
+    dirs = step_dirs(store)
+    if not store.exists(NODE_LOCK) or committed_in(dirs):
+        return []
+    done = None if shared is None else set(committed_steps(_store(shared)))
+    out = []
+    for step, keys in sorted(dirs.items()):
+        names = {k.rsplit("/", 1)[-1] for k in keys}
+        part = NodeParts(step, [], 0, 0, committed=None if done is None else step in done)
+        for name in sorted(names):
+            rn = parse_record_name(name)
+            if rn is None or shard_name(rn.rank) not in names:
+                continue
+            try:
+                part = _add_part(store, part, name, rn)
+            except TierioError as exc:
+                part.error = str(exc)
+        if part.ranks or part.error:
+            out.append(part)
+    return out
+
+
+def _add_part(store: Store, part: NodeParts, name: str, rn: RecordName) -> NodeParts:
+    """``part`` with the rank whose record is ``name`` (checked against its xxh3) added."""
+    key = step_key(part.step, name)
+    raw = read_bytes(store, key)
+    head = parse_record_head(raw, where(store, key))
+    entry = check_record(raw, rn.digest, "name", where(store, key), part.step, head.world_size, "it is corrupt", rn.rank)
+    lineage = Lineage.parse(head.extra, where(store, key))
+    part.ranks.append(rn.rank)
+    part.world_size, part.bytes = head.world_size, part.bytes + entry.bytes
+    if lineage is not None:
+        part.run, part.reason = lineage.run, lineage.reason
+    return part
 
 
 def _store(url: str | Path | Store) -> Store:
@@ -154,4 +214,4 @@ def unlock(url: str | Path | Store, *, force: bool = False) -> Holder | None:
     return unlock_lease(_store(url), force=force)
 
 
-__all__ = ["CheckpointInfo", "list_checkpoints", "inspect", "verify", "promote", "gc", "collect_garbage", "unlock", "step_dir"]
+__all__ = ["CheckpointInfo", "NodeParts", "list_checkpoints", "list_node_parts", "inspect", "verify", "promote", "gc", "collect_garbage", "unlock", "step_dir"]

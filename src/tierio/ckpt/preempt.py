@@ -18,11 +18,16 @@ periodic save is lost. With one:
   collective), so a proposal of ``step + 1`` reaches every rank before it passes that step.
   Without a process group the step is the current one.
 * **The emergency save** is an ordinary save of that step to the manager's tiers (its manifest
-  records ``reason="emergency: SIGTERM"``; ``tierio ckpt ls`` shows it), waited for until
-  it is committed (its handle's ``committed``: the manifest on the first shared tier, which is tier
-  0 unless tier 0 is node-local), within ``grace_seconds``, the scheduler's grace period. Promotion to slower tiers is left to the
-  next run (its manager finds unpromoted steps). Then the process exits with ``exit_code``
-  (143, as SIGTERM's default would; ``requeue=True`` also asks SLURM to requeue the job from rank 0).
+  records ``reason="emergency: SIGTERM"``; ``tierio ckpt ls`` shows it), waited for until it is
+  durable (``durable``), within ``grace_seconds``, the scheduler's grace period. On a shared tier 0
+  that is its commit there. On a node-local tier 0 it is every rank's part persisted on its node's
+  tier 0: each rank, once its own part is there, adds one to a counter of the step on the TCPStore
+  and waits (in the caller's thread) until the counter reaches the world size. The copy to the
+  shared tier is not waited for: a requeued job on the same nodes restores the step from the
+  nodes' tier 0 and publishes it (``ckpt.promotion.buddy_restore``). Promotion to slower tiers is
+  left to the next run (its manager finds unpromoted steps). Then the process exits with
+  ``exit_code`` (143, as SIGTERM's default would; ``requeue=True`` also asks SLURM to requeue the
+  job from rank 0).
 * **A second signal** during the emergency save ends the process at once: the step being written is
   not committed, and the previous durable step still restores.
 
@@ -38,6 +43,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -141,9 +147,15 @@ class Preemption:
         signal), then exits the process with ``exit_code`` (returns the handle when that is None)."""
         self.begin(step)
         handle = self.manager.save(step, state, reason=self.reason)
-        # Committed: on tier 0 when it is shared, on the first shared tier when tier 0 is node-local.
-        self.finish(step, handle.committed)
+        self.finish(step, self.durable(handle))
         return handle
+
+    def durable(self, handle: SaveHandle) -> Future[Any]:
+        """What an emergency save waits for: its commit on a shared tier 0; on a node-local tier 0,
+        this rank's part persisted there (``finish`` then waits for every rank's, on the TCPStore).
+        Without a process group to count on, node-local saves wait for the global commit."""
+        alone = self.manager.world_size == 1
+        return handle.persisted if self.manager.node_local and (alone or self._store is not None) else handle.committed
 
     def begin(self, step: int) -> None:
         """The emergency save of ``step`` starts: from now on a second signal exits at once.
@@ -153,13 +165,19 @@ class Preemption:
         print(f"tierio: emergency save of step {step} ({self.stats.signal or 'requested'})", file=sys.stderr, flush=True)
 
     def finish(self, step: int, *durable: Future[Any]) -> None:
-        """Wait until every future in ``durable`` is done (the save's commit; for a framework, also
-        the pointer it publishes), within ``grace_seconds`` of the signal; then exit with
-        ``exit_code`` (return when that is None). A failed save raises its error."""
+        """Wait until every future in ``durable`` is done (``durable(handle)``; for a framework, also
+        the pointer it publishes) and, on a node-local tier 0, until every rank's part is there,
+        within ``grace_seconds`` of the signal; then exit with ``exit_code`` (return when that is
+        None). A failed save raises its error."""
         opts, started = self.options, self._seen if self._seen is not None else time.monotonic()
+
+        def left() -> float:
+            return max(0.0, opts.grace_seconds - (time.monotonic() - started))
         try:
             for future in durable:
-                future.result(max(0.0, opts.grace_seconds - (time.monotonic() - started)))
+                future.result(left())
+            if self.manager.node_local and self._store is not None:
+                self._every_part(step, left)
         except TimeoutError:
             print(f"tierio: step {step} was not durable within grace_seconds={opts.grace_seconds:g} of the signal; "
                   "exiting; the previous durable step restores (raise grace_seconds, up to the scheduler's grace "
@@ -168,8 +186,9 @@ class Preemption:
                 raise
             os._exit(opts.exit_code)
         self.stats.step, self.stats.signal_to_durable_seconds = step, time.monotonic() - started
+        where = "every rank's part on its node's tier 0" if self.manager.node_local else "committed"
         print(f"tierio: step {step} durable in {self.stats.signal_to_durable_seconds:.3f} s after "
-              f"{self.stats.signal or 'request'}", file=sys.stderr, flush=True)
+              f"{self.stats.signal or 'request'} ({where})", file=sys.stderr, flush=True)
         self._saving = False
         if opts.exit_code is None:
             return
@@ -180,6 +199,35 @@ class Preemption:
         # The step is durable: exit now, within the grace period. Promotion to slower tiers resumes
         # in the next run; the leases lapse (or are taken over by the requeued run of the same id).
         os._exit(opts.exit_code)
+
+    def _every_part(self, step: int, left: Callable[[], float]) -> None:
+        """This rank's part of ``step`` is on its node's tier 0: count it on the TCPStore, then wait
+        until every rank's is (TimeoutError when ``left()`` runs out first). Global rank 0 may host
+        the store (``init_process_group`` without torchrun): it leaves last, once every rank has
+        seen the count, so no rank waits on a store that is gone."""
+        import torch.distributed as dist
+
+        key, world = f"{self._key}/persisted/{step}", self.manager.world_size
+        try:
+            self._count_to(key, world, left, self._store.add(key, 1))
+            seen = self._store.add(f"{key}/seen", 1)
+            if dist.get_rank() == 0:
+                try:
+                    self._count_to(f"{key}/seen", world, left, seen)
+                except TimeoutError:
+                    pass  # every part is durable: only the others' exit was not seen
+        except RuntimeError as exc:  # the store is gone (its host exited): nobody can count any more
+            raise TimeoutError(f"the TCPStore stopped answering while counting the parts of step {step}: {exc}") from exc
+
+    def _count_to(self, key: str, n: int, left: Callable[[], float], count: int) -> None:
+        """Poll the counter ``key`` on the store until it reaches ``n`` (TimeoutError after ``left()``)."""
+        delay = 0.002
+        while count < n:
+            if left() <= 0:
+                raise TimeoutError(f"{n - count} of {n} ranks have not persisted their part")
+            time.sleep(min(delay, left()))
+            delay = min(delay * 1.5, 0.05)
+            count = self._store.add(key, 0)
 
     def close(self) -> None:
         for sig, handler in self._previous.items():

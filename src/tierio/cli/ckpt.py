@@ -26,6 +26,7 @@ examples:
   tierio ckpt unlock /lustre/run1                    break the lease of a run that died
   tierio ckpt export /lustre/run1 ./hf-model          the whole model as safetensors + index, any world size
   tierio ckpt ls ./tierio-demo/shared-fs --json      the same, for scripts
+  tierio ckpt ls /mnt/nvme/ckpt --shared /lustre/run1  a node-local tier: its steps, committed or node-local only
 
 retention for gc: last:N (newest N), every:K (steps divisible by K), within:48h (committed in
 the last 48 hours), all (keep everything); join with + (keep what any keeps) or & (what all keep).
@@ -48,6 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     a = action("ls", "list the committed checkpoints on a tier", "tierio ckpt ls /mnt/nvme/ckpt")
     a.add_argument("url", metavar="URL", help=_URL)
+    a.add_argument("--shared", metavar="URL", help="with a node-local URL: the shared tier its steps are committed "
+                   "on, to mark each step committed there or node-local only")
     a.set_defaults(handler=cmd_ls)
 
     a = action("inspect", "show one checkpoint's manifest: state tree, tensors, sizes",
@@ -159,23 +162,27 @@ def _summary(man: Any) -> dict[str, Any]:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     from tierio.ckpt import list_checkpoints
+    from tierio.ckpt.ops import list_node_parts
     from tierio.ckpt.steps.reader import step_dirs
     from tierio.ckpt.steps.refs import reference_only
 
     with _store(args.url) as store:
         infos = list_checkpoints(store)
+        nodes = list_node_parts(store, args.shared)  # a node-local tier: its steps' parts (it holds no manifest)
         dirs = step_dirs(store)
         held = reference_only(store, dirs)  # shards of deleted steps that incremental checkpoints refer to
-        partial = sorted(set(dirs) - {i.step for i in infos} - held)
+        partial = sorted(set(dirs) - {i.step for i in infos} - held - {n.step for n in nodes})
         lease = _lease(store)
     rows = [i.to_dict() for i in infos if i.error is None]
     bad = [{"step": i.step, "problem": i.error} for i in infos if i.error is not None]
     result = {"url": args.url, "checkpoints": rows, "unreadable": bad, "uncommitted": partial,
-              "referenced_only": sorted(held), "lease": lease}
+              "referenced_only": sorted(held), "node_local": [n.to_dict() for n in nodes], "lease": lease}
     if args.json:
         print_json(result)
         return 0
-    if not rows and not bad:
+    if nodes:
+        _show_node_parts(args.url, result["node_local"], args.shared)
+    elif not rows and not bad:
         say(f"no committed checkpoint in {args.url}")
     else:
         noted = any(r["reason"] for r in rows)  # an emergency save is marked; the column only when one is there
@@ -194,6 +201,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if lease is not None:
         say(f"write lease: {lease['holder']}" + (f" [stale: {lease['stale']}]" if lease["stale"] else ""), err=True)
     return 0
+
+
+def _show_node_parts(url: str, parts: list[dict[str, Any]], shared: str | None) -> None:
+    """A node-local tier's steps: node-local only until the shared tier holds their manifest."""
+    where = {True: "committed (shared)", False: "node-local only", None: "node-local"}
+    print_table(f"Steps on the node-local tier {url}", ["step", "ranks here", "size", "where", "saved for"],
+                [[p["step"], f"{','.join(map(str, p['ranks']))} of {p['world_size']}", human_bytes(p["bytes"]),
+                  where[p["committed"]], p["reason"] or ""] for p in parts if p["error"] is None])
+    for p in parts:
+        if p["error"] is not None:
+            say(styled(f"step {p['step']}: unreadable record: {p['error']}", "yellow"), err=True)
+    say("a node-local tier holds no manifest: a step restores from the nodes while every rank's part is on its "
+        "node, and is committed once the shared tier holds its manifest"
+        + ("" if shared else " (--shared URL marks which)"), err=True)
 
 
 def _lease(store: Any) -> dict[str, Any] | None:

@@ -428,12 +428,36 @@ def check_globals(man: Manifest, where: str) -> None:
                 raise FormatError(f"{where}: {who} refers to global tensor {brief(ref)}, which no rank's entry describes")
 
 
-def encode_record(step: int, world_size: int, entry: RankEntry) -> bytes:
-    """A rank's record: its manifest entry, written beside its shard once the shard is durable."""
+def encode_record(step: int, world_size: int, entry: RankEntry, extra: dict | None = None) -> bytes:
+    """A rank's record: its manifest entry, written beside its shard once the shard is durable.
+    ``extra`` is what the step's manifest will say beside the entries (the run, the reason): a step
+    found only on node-local tiers has no manifest, and its records say it instead."""
     version = 2 if any(t.is_global for t in entry.tensors.values()) or entry.refs else 1
-    return _encode({"schema": SCHEMA + ".fragment", "version": version, "step": step,
-                    "world_size": world_size, "entry": rank_to_json(entry)}, f"record of rank {entry.rank}",
-                   compact=True)
+    doc = {"schema": SCHEMA + ".fragment", "version": version, "step": step, "world_size": world_size,
+           "entry": rank_to_json(entry)}
+    if extra:
+        doc["extra"] = extra
+    return _encode(doc, f"record of rank {entry.rank}", compact=True)
+
+
+@dataclass(frozen=True)
+class RecordHead:
+    """What a record says beside its entry: its step, the world size of the save and its ``extra``."""
+
+    step: int
+    world_size: int
+    extra: dict
+
+
+@parser
+def parse_record_head(raw: bytes, where: str) -> RecordHead:
+    """A record's head, before its entry is checked (only FormatError comes out)."""
+    doc = _load_json(raw, where, MAX_MANIFEST_BYTES)
+    if doc.doc.get("schema") != SCHEMA + ".fragment":
+        raise FormatError(f"{where}: not a tierio checkpoint record")
+    extra = doc.obj("extra", default=None)
+    return RecordHead(doc.int("step", 0, 10**9 - 1), doc.int("world_size", 1, MAX_WORLD_SIZE),
+                      {} if extra is None else extra.doc)
 
 
 @parser

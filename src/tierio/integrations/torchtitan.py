@@ -18,6 +18,14 @@ FSDP2 state reshards to the new mesh. Without a committed step on the tiers, tor
 start runs unchanged (``step-N`` folders it wrote itself in ``checkpoint.folder``,
 ``initial_load_path``, Hugging Face weights, or a fresh start).
 
+Preemption (``preemption=True``, off by default): tierio's signal handlers
+(``tierio.ckpt.preempt.Preemption``) are installed when the checkpointer is built. torchtitan's
+trainer calls ``save(curr_step)`` at every step; once the ranks agree on a step after SIGTERM or
+SIGUSR1 (through the process group's TCPStore), ``save`` of that step waits for an asynchronous
+save in flight, saves the step synchronously through DCP with ``reason="emergency: SIGTERM"``,
+waits until it is committed within ``preempt_grace_seconds`` and exits the process with 143. The
+requeued job resumes from it like from any other step.
+
 Two options cannot be honoured and are refused with a ``ConfigError`` when the config is made:
 ``async_mode="async_with_pinned_mem"`` (DCP saves in another process, where the tierio manager of
 this one cannot follow) and ``last_save_in_hf=True`` (a Hugging Face export written past the tiers).
@@ -38,6 +46,7 @@ import torch.distributed.checkpoint as dcp
 from tierio.ckpt import CheckpointManager as TierioManager
 from tierio.ckpt import KeepLast, Tier
 from tierio.ckpt.dcp import TierioReader, TierioWriter
+from tierio.ckpt.preempt import Preemption
 from tierio.ckpt.tier import as_tier
 from tierio.errors import ConfigError, NotFoundError
 from tierio.integrations.checkpoints import check_manager_options
@@ -90,12 +99,19 @@ class TierioCheckpointManager(CheckpointManager):
         manager_options: dict[str, Any] = field(default_factory=dict)
         """``tierio.ckpt.CheckpointManager`` keywords (``memory_budget_bytes``, ``promote_bandwidth``, ...)."""
 
+        preemption: bool = False
+        """On SIGTERM or SIGUSR1, save the step the ranks agree on at once, wait until it is committed, then exit (143)."""
+
+        preempt_grace_seconds: float = 60.0
+        """How long that emergency save may take from the signal: the scheduler's grace period less a margin."""
+
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
             refuse_unsupported(self)
             check_manager_options(self.manager_options)
 
     tierio: TierioManager | None = None
+    preemption: Preemption | None = None  # config.preemption: the signal handlers, installed at construction
     _group: Any = None  # a gloo group of our own: the step agreement and the tierio manager's collectives
 
     def __init__(self, config: Config, **components: Any) -> None:
@@ -111,8 +127,28 @@ class TierioCheckpointManager(CheckpointManager):
         options = {"min_keep": self.keep_latest_k} if self.keep_latest_k > 0 else {}
         options.update(check_manager_options(getattr(config, "manager_options", None) or {}))
         self.tierio = TierioManager(tiers, process_group=self._group, **options)
+        if getattr(config, "preemption", False):
+            self.preemption = Preemption(self.tierio, grace_seconds=config.preempt_grace_seconds)
 
     # -- saving -------------------------------------------------------------------------------------
+    def save(self, curr_step: int, last_step: bool = False) -> bool:
+        """torchtitan's save of ``curr_step`` (at every step); with ``preemption``, the emergency
+        save instead when this is the step the ranks agreed on after a signal (it exits)."""
+        if self.preemption is not None and self.enable and self.preemption.requested(curr_step):
+            self._save_for_preemption(curr_step)
+        return super().save(curr_step, last_step)
+
+    @torch.no_grad()
+    def _save_for_preemption(self, step: int) -> None:
+        """The emergency save of ``step``: after the save in flight, synchronous, committed within
+        the grace period; then the process exits (``Preemption.finish``)."""
+        assert self.preemption is not None and self.tierio is not None
+        self.preemption.begin(step)
+        self.maybe_wait_for_saving()
+        writer = TierioWriter(self.tierio, step=step, reason=self.preemption.reason)
+        dcp.save(self._flattened_model_states_sd(), storage_writer=writer)
+        self.preemption.finish(step, writer.handle.committed)
+
     @torch.no_grad()
     def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
                  enable_garbage_collection: bool = False, to_hf: bool = False) -> Any:

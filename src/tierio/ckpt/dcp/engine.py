@@ -48,12 +48,12 @@ def write_now(mgr: CheckpointManager, step: int, tensors: dict[str, torch.Tensor
     return own
 
 
-def commit_now(mgr: CheckpointManager, step: int, parts: dict[int, Own], tree: Any) -> None:
+def commit_now(mgr: CheckpointManager, step: int, parts: dict[int, Own], tree: Any, reason: str | None = None) -> None:
     """Commit ``step`` from every rank's part, with one job-wide state ``tree`` (``finish``, on the
-    coordinator)."""
+    coordinator); ``reason`` as ``CheckpointManager.save``'s."""
     store = commit_tier(mgr._tiers).store
     rollback = mgr._book.rollback()
-    lineage = Lineage(mgr._cluster.run(), rollback.after if rollback is not None else None)
+    lineage = Lineage(mgr._cluster.run(), rollback.after if rollback is not None else None, reason)
     plan = CommitPlan(step, mgr.world_size, {r: p.record for r, p in parts.items() if p.record is not None},
                       {r: p.entry.bytes for r, p in parts.items()}, lineage.extra(),
                       {r: p.entry for r, p in parts.items()}, tree, mgr.options.inline_record_bytes)

@@ -93,11 +93,16 @@ class TierioWriter(StorageWriter):
     closes it with ``close()`` (or ``with TierioWriter(...)``; else when the writer is collected or the
     process exits). Without a target, DCP's ``checkpoint_id`` names the place. ``checkpoint_id`` is a
     step number, a tier path (the step from ``step=``) or a step in one (``/ckpt/run1/step_000000100``);
-    a path outside the writer's tiers is refused."""
+    a path outside the writer's tiers is refused. ``reason`` is recorded in the step's manifest
+    (``tierio ckpt ls`` shows it), as ``CheckpointManager.save(reason=...)`` records it."""
 
     def __init__(self, target: CheckpointManager | Place | Sequence[Place] | None = None, step: int | None = None,
-                 options: CheckpointOptions | None = None, *, process_group: Any = None, **overrides: Any) -> None:
+                 options: CheckpointOptions | None = None, *, process_group: Any = None, reason: str | None = None,
+                 **overrides: Any) -> None:
         super().__init__()
+        if reason is not None and not (isinstance(reason, str) and 0 < len(reason) <= 128):
+            raise ConfigError(f"TierioWriter(reason=...) takes a short text (1 to 128 characters); got {reason!r}")
+        self.reason = reason  # recorded in the manifest, as CheckpointManager.save(reason=...) does
         self._manager = target if isinstance(target, CheckpointManager) else None
         self._tiers = None if target is None or self._manager is not None else tier_list(target, "TierioWriter")
         self._options = CheckpointOptions.resolve(options, overrides) if self._manager is None else None
@@ -205,7 +210,7 @@ class TierioWriter(StorageWriter):
         if missing:
             raise ConfigError(f"DCP finished step {self.step} without the writes of ranks {missing}; nothing committed")
         tree = tree_from([leaf for r in sorted(parts) for leaf in parts[r].leaves])
-        commit_now(self.manager, self.step, {r: p.own for r, p in parts.items()}, tree)
+        commit_now(self.manager, self.step, {r: p.own for r, p in parts.items()}, tree, self.reason)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=str(self.step) if self.step is not None else None)

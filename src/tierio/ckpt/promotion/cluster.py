@@ -97,9 +97,9 @@ def publish(cl: Cluster, node: TierState, shared: TierState, step: int, own: Own
     """Node-local tier 0: copy this rank's shard and record to the first shared tier and commit there."""
     cl.ensure(shared)
     stats = copy_shard(node.store, shared.store, step, own.entry, cl.pool, cl.limiter)
-    write_record(shared.store, step, cl.world_size, own.entry, lineage.token)
+    ref = write_record(shared.store, step, cl.world_size, own.entry, lineage.token, lineage.extra())
     account(shared, stats)
-    commit_on(cl, shared.store, step, own, lineage)
+    commit_on(cl, shared.store, step, Own(own.entry, ref), lineage)
 
 
 def promote_step(cl: Cluster, tiers: list[TierState], step: int, rollback: Rollback | None,

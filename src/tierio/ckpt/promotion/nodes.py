@@ -109,7 +109,10 @@ def launcher_run_id() -> str | None:
 
 
 def gather(value: Any, group: Any, world_size: int) -> list[Any]:
-    """Every rank's ``value`` (one all_gather_object over ``group``, in the caller's thread)."""
+    """Every rank's ``value`` (one all_gather_object over ``group``, in the caller's thread; alone,
+    ``group`` None and ``world_size`` 1, just this one)."""
+    if group is None and world_size == 1:
+        return [value]
     import torch.distributed as dist
 
     out: list[Any] = [None] * world_size

@@ -20,10 +20,11 @@ from typing import Any
 from tierio import events
 from tierio.errors import ConfigError, FormatError, IntegrityError, LeaseError, StorageError, TierioError
 
-from tierio.ckpt.promotion.cluster import Cluster, promote_step, publish
+from tierio.ckpt.promotion.cluster import Cluster, Own, promote_step, publish
 from tierio.ckpt.saving.job import SaveHandle
 from tierio.ckpt.steps.book import StepBook
 from tierio.ckpt.steps.gc import TEMP_GRACE, GcOptions, GcTier, collect
+from tierio.ckpt.steps.lineage import Lineage
 from tierio.ckpt.steps.reader import committed_steps
 from tierio.ckpt.steps.retention import wanted
 from tierio.ckpt.tier import TierState, commit_tier
@@ -52,6 +53,12 @@ class Promoter:
             self._pool.submit(self.run, [step], handle, False)
         else:
             self.done(step, handle)
+
+    def publish_later(self, step: int, own: Own, lineage: Lineage) -> None:
+        """A step restored from the nodes' tier 0 is committed nowhere yet: publish it behind, as
+        the run that saved it would have (retention keeps it meanwhile: it is unpublished)."""
+        self.book.unpublish(step, own, lineage)
+        self._pool.submit(self.run, [], None, False)
 
     def done(self, step: int, handle: SaveHandle) -> None:
         """A one-tier save is complete: retention runs, the handle's last stage completes."""

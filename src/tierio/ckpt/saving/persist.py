@@ -220,7 +220,8 @@ class Persister:
     def record(self, step: int, job: Staged, entry: RankEntry, record: bool) -> tuple[Own, Lineage]:
         """After the shard: this rank's record of ``step`` on tier 0 (when asked) and its lineage."""
         lineage = Lineage(self.cluster.run(), job.rollback.after if job.rollback is not None else None, job.reason)
-        ref = write_record(self.tiers[0].store, step, self.cluster.world_size, entry, lineage.token) if record else None
+        ref = write_record(self.tiers[0].store, step, self.cluster.world_size, entry, lineage.token,
+                           lineage.extra()) if record else None
         return Own(entry, ref), lineage
 
     def _write_shard(self, step: int, job: Staged, fname: str) -> tuple[int, dict[str, TensorInfo]]:

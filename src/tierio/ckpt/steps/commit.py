@@ -75,9 +75,10 @@ def poll_until(ready: Callable[[], bool], what: Callable[[], str], wait: Waiting
 
 
 # -- ranks -----------------------------------------------------------------------------------------
-def write_record(store: Store, step: int, world_size: int, entry: RankEntry, token: str) -> RecordRef:
-    """Step 2: the rank's record, after its shard is durable."""
-    raw = encode_record(step, world_size, entry)
+def write_record(store: Store, step: int, world_size: int, entry: RankEntry, token: str,
+                 extra: dict | None = None) -> RecordRef:
+    """Step 2: the rank's record, after its shard is durable (``extra``: ``encode_record``'s)."""
+    raw = encode_record(step, world_size, entry, extra)
     ref = RecordRef(record_name(entry.rank, token, xxh3(raw)), len(raw), xxh3(raw))
     store.put_buffers(step_key(step, ref.name), [raw])
     return ref

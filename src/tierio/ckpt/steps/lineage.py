@@ -63,7 +63,12 @@ class Lineage:
     @staticmethod
     def of(man: Manifest, where: str) -> Lineage | None:
         """The lineage a manifest records (None for manifests written before it was recorded)."""
-        f = Fields(man.extra, f"{where}: extra")
+        return Lineage.parse(man.extra, where)
+
+    @staticmethod
+    def parse(extra: dict, where: str) -> Lineage | None:
+        """The lineage in a manifest's or a record's ``extra`` (None when it records none)."""
+        f = Fields(extra, f"{where}: extra")
         run = f.str(RUN_FIELD, 128, default=None)
         if run is None:
             return None
