@@ -83,6 +83,8 @@ def test_sigterm_saves_once_at_an_agreed_step_and_resumes_bit_exact_at_the_same_
         assert [(e, i) for e, i, _ in after] == [divmod(s, BATCHES) for s in range(at + 1, EPOCHS * BATCHES)]
         assert all(ids == loader.ids(e, i) for e, i, ids in after)
     assert (tmp_path / "final.safetensors").exists()  # training finished
+    # top-2 by step and last, as Lightning keeps them: no pointer of a save removed before it was durable
+    assert {p.name for p in (tmp_path / "ck").glob("*.ckpt")} == {"last.ckpt", "epoch=3-step=27.ckpt", "epoch=3-step=30.ckpt"}
 
     # Each rank's loader position has no faithful place on one process: refused, naming the option.
     with pytest.raises(ConfigError, match=r"data position .* for each of 2 rank\(s\).* per_rank='own'"):

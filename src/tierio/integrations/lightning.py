@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,11 @@ class TierioCheckpointIO(CheckpointIO):
         self.per_rank = per_rank
         options = {"double_buffer": True, "min_keep": 1, **check_manager_options(manager_options)}
         self._saver = PublishingSaver(tiers, options, ADVICE, _pointers_in)
+        # Saves and removals in order: ModelCheckpoint may remove a top-k file before its save is
+        # durable; that pointer must then never appear (it would keep its checkpoint on the tiers).
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._removed: dict[Path, int] = {}
 
     def every_rank(self) -> None:
         """Every rank calls ``save_checkpoint`` (``TierioDDPStrategy``): the replicated checkpoint is
@@ -103,8 +109,19 @@ class TierioCheckpointIO(CheckpointIO):
         may be ``{"reason": "..."}``, recorded in the manifest (``tierio ckpt ls`` shows it)."""
         reason = _reason(storage_options, type(self).__name__)
         target = local_target(path, "Lightning")
-        self._saver.save(self._state(checkpoint), target.parent, lambda pointer: pointer.write(target),
+        seq = self._next_seq()
+        self._saver.save(self._state(checkpoint), target.parent, lambda pointer: self._publish(pointer, target, seq),
                          _int(checkpoint.get("global_step")), _int(checkpoint.get("epoch")), reason=reason)
+
+    def _next_seq(self) -> int:
+        with self._lock:
+            self._seq += 1
+            return self._seq
+
+    def _publish(self, pointer: Pointer, target: Path, seq: int) -> None:
+        with self._lock:  # a removal after this save was staged wins, even one that came first
+            if self._removed.get(target.absolute(), 0) < seq:
+                pointer.write(target)
 
     def _state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """What this rank saves. With every rank saving, the model, optimizer and callback state is
@@ -142,14 +159,18 @@ class TierioCheckpointIO(CheckpointIO):
         return self._saver.in_flight()
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove the pointer; its checkpoint goes with the next retention pass (after a commit)."""
+        """Remove the pointer (or, when its save is not durable yet, keep it from appearing); its
+        checkpoint goes with the next retention pass (after a commit)."""
         target = local_target(path, "Lightning")
-        try:
-            os.unlink(target)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise StorageError(f"cannot remove {target}: {exc.strerror or exc}") from None
+        seq = self._next_seq()
+        with self._lock:
+            self._removed[target.absolute()] = seq
+            try:
+                os.unlink(target)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise StorageError(f"cannot remove {target}: {exc.strerror or exc}") from None
 
     def teardown(self) -> None:
         """Wait for every save (write, pointer, promotion) and close the manager; raises a failure."""
