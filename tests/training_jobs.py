@@ -134,14 +134,6 @@ def lightning_job(root: Path, tiers: list[str] | None, epochs: int, resume: str 
         def on_load_checkpoint(self, trainer, module, checkpoint) -> None:
             torch.save(_flat(checkpoint, {}), root / f"restored-{rank}.pt")
 
-    class Dump(Callback):
-        def on_train_start(self, trainer, module) -> None:
-            if resume:
-                dump_full(root / f"restored-{trainer.world_size}.safetensors", module, trainer.optimizers[0])
-
-        def on_train_end(self, trainer, module) -> None:
-            dump_full(root / f"final-{trainer.world_size}.safetensors", module, trainer.optimizers[0])
-
     class KillAt(Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, i) -> None:
             if trainer.current_epoch == kill_at and i == 2:
@@ -162,7 +154,7 @@ def lightning_job(root: Path, tiers: list[str] | None, epochs: int, resume: str 
     if preempting:
         callbacks += [Preempted(), TierioPreemption(grace_seconds=120)]
     if dump:
-        callbacks.append(Dump())
+        callbacks.append(_dump_callback(root, resume))
     if world > 1:  # under torchrun: DDP over gloo, every rank saving through tierio (or the stock strategy)
         from lightning.pytorch.strategies import DDPStrategy
 
@@ -296,12 +288,28 @@ def hf_fsdp_job(root: Path, tiers: list[str], resume: bool) -> None:
     dump_full(root / f"{'restored' if resume else 'saved'}-{mesh.size()}.safetensors", model, opt)
 
 
+def _dump_callback(root: Path, resume):
+    """A Lightning callback: the whole model and optimizer state once restored (``restored-N``, a
+    resume only) and at the end (``final-N``), N the world size."""
+    from lightning.pytorch.callbacks import Callback
+
+    class Dump(Callback):
+        def on_train_start(self, trainer, module) -> None:
+            if resume:
+                dump_full(root / f"restored-{trainer.world_size}.safetensors", module, trainer.optimizers[0])
+
+        def on_train_end(self, trainer, module) -> None:
+            dump_full(root / f"final-{trainer.world_size}.safetensors", module, trainer.optimizers[0])
+
+    return Dump()
+
+
 def lightning_fsdp_job(root: Path, tiers: list[str], epochs: int, resume: bool) -> None:
     """Lightning's ModelParallelStrategy (FSDP2 in ``configure_model``) through
     TierioModelParallelStrategy; the whole model and optimizer state is dumped once restored
     (``restored-N``) and at the end (``final-N``)."""
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.distributed.fsdp import fully_shard
 
     from tierio.integrations.lightning import TierioModelParallelStrategy
@@ -329,21 +337,14 @@ def lightning_fsdp_job(root: Path, tiers: list[str], epochs: int, resume: bool) 
             opt = torch.optim.Adam(self.parameters(), lr=0.01)
             return [opt], [torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)]
 
-    class Dump(Callback):
-        def on_train_start(self, trainer, module) -> None:
-            if resume:
-                dump_full(root / f"restored-{world}.safetensors", module, trainer.optimizers[0])
-
-        def on_train_end(self, trainer, module) -> None:
-            dump_full(root / f"final-{world}.safetensors", module, trainer.optimizers[0])
-
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
     pl.seed_everything(world if resume else 0, verbose=False)  # a resume starts from other weights
     strategy = TierioModelParallelStrategy(tiers, data_parallel_size=world, tensor_parallel_size=1,
                                            process_group_backend="gloo" if accelerator == "cpu" else "nccl")
-    callbacks = [ModelCheckpoint(dirpath=root / "ck", save_last=True, save_top_k=2, monitor="step", mode="max"), Dump()]
+    callbacks = [ModelCheckpoint(dirpath=root / "ck", save_last=True, save_top_k=2, monitor="step", mode="max"),
+                 _dump_callback(root, resume)]
     trainer = pl.Trainer(max_epochs=epochs, callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
                          logger=False, accelerator=accelerator, devices=world, strategy=strategy)
     trainer.fit(Sharded(), data, ckpt_path="last" if resume else None)

@@ -21,8 +21,12 @@ tensors can hold is stored without pickle; anything else is refused with an erro
 the key. With the plugin alone, only the global-zero rank saves (Lightning calls the plugin there
 only); under DDP, ``TierioDDPStrategy`` makes every rank save its share, and under FSDP2
 (``ModelParallelStrategy``) ``TierioModelParallelStrategy`` makes every rank write its own shards
-(Lightning's sharded save would otherwise bypass the plugin). Every rank can load. The ``.ckpt``
-files are not ``torch.load``-able: load them through this plugin.
+(Lightning's sharded save would otherwise bypass the plugin). Every rank can load, and gets its
+own loop state back (a stateful loader's position). The ``.ckpt`` files are not
+``torch.load``-able: load them through this plugin.
+
+``TierioPreemption`` (a callback) turns a scheduler's SIGTERM or SIGUSR1 into one emergency
+checkpoint, at a step every rank agrees on, that ``ckpt_path="last"`` resumes from.
 """
 
 from __future__ import annotations
