@@ -57,12 +57,14 @@ def test_sigterm_saves_once_at_an_agreed_step_and_resumes_bit_exact_at_the_same_
     assert first.stderr.count("SIGTERM again during the emergency save: exiting at once") == 2
     listed = _all_verify(tiers[0])
     assert all(c.reason is None for c in listed), listed  # the emergency step was never committed
-    if (tmp_path / "ck" / "last.ckpt").exists():  # the periodic save completed: it is what restores
+    durable = (tmp_path / "ck" / "last.ckpt").exists()
+    if durable:  # the periodic save completed: it is what restores
         assert Pointer.read(tmp_path / "ck" / "last.ckpt").step in {c.step for c in listed}
 
     at = random.Random(27).choice([s for s in range(8, EPOCHS * BATCHES - 2) if (s + 1) % BATCHES])
     second = training_jobs.torchrun(*run, "--preempt-at", str(at), "--resume")
     assert _exit_codes(second) == [143, 143], second.stderr[-3000:]
+    assert ("Restored all states from the checkpoint" in second.stderr) == durable
     emergency = [c for c in _all_verify(tiers[0]) if c.reason is not None]
     assert [c.reason for c in emergency] == ["emergency: SIGTERM"]  # one save, both ranks' parts
     last = Pointer.read(tmp_path / "ck" / "last.ckpt")

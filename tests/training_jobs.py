@@ -312,7 +312,7 @@ def lightning_fsdp_job(root: Path, tiers: list[str], epochs: int, resume: bool) 
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.distributed.fsdp import fully_shard
 
-    from tierio.integrations.lightning import TierioModelParallelStrategy
+    from tierio.integrations.lightning import TierioModelParallelStrategy, TierioPreemption
 
     warnings.filterwarnings("ignore")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -344,7 +344,7 @@ def lightning_fsdp_job(root: Path, tiers: list[str], epochs: int, resume: bool) 
     strategy = TierioModelParallelStrategy(tiers, data_parallel_size=world, tensor_parallel_size=1,
                                            process_group_backend="gloo" if accelerator == "cpu" else "nccl")
     callbacks = [ModelCheckpoint(dirpath=root / "ck", save_last=True, save_top_k=2, monitor="step", mode="max"),
-                 _dump_callback(root, resume)]
+                 _dump_callback(root, resume), TierioPreemption()]  # on watch under FSDP2, never signalled
     trainer = pl.Trainer(max_epochs=epochs, callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
                          logger=False, accelerator=accelerator, devices=world, strategy=strategy)
     trainer.fit(Sharded(), data, ckpt_path="last" if resume else None)
