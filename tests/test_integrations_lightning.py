@@ -1,6 +1,8 @@
 """PyTorch Lightning's CheckpointIO plugin against the real library: a job killed with SIGKILL
 resumes with ckpt_path="last" to the same weights as an uninterrupted run; values that cannot be
-stored without pickle are refused by key; removed checkpoints leave the tiers."""
+stored without pickle are refused by key; removed checkpoints leave the tiers; a SIGTERM becomes
+an emergency checkpoint that ckpt_path="last" resumes from; strategies that would bypass the plugin
+are refused."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from training_jobs import lightning_job  # noqa: E402
 from tierio.ckpt import list_checkpoints  # noqa: E402
 from tierio.errors import ConfigError, FormatError, NotFoundError, UnstorableError  # noqa: E402
 from tierio.integrations.checkpoints import Pointer  # noqa: E402
-from tierio.integrations.lightning import TierioCheckpointIO  # noqa: E402
+from tierio.integrations.lightning import TierioCheckpointIO, TierioPreemption  # noqa: E402
 
 JOBS = Path(__file__).with_name("training_jobs.py")
 
@@ -108,3 +110,52 @@ def test_checkpoints_lightning_removes_leave_the_tiers(tmp_path: Path) -> None:
         kept = set(_steps(url))
         assert named <= kept, url
         assert len(kept - named) <= 1, (url, kept, named)  # at most the newest step, until the next save
+
+
+def test_preemption_on_one_process_saves_where_last_resumes_and_gives_the_signals_back(tmp_path: Path) -> None:
+    import signal
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class TermAt(Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, i) -> None:
+            if trainer.global_step == 5:
+                os.kill(os.getpid(), signal.SIGTERM)  # Lightning's own handler would raise SIGTERMException
+
+    def fit(steps: int, *callbacks, resume=None) -> pl.Trainer:
+        plugin = TierioCheckpointIO([str(tmp_path / "t0")])
+        trainer = pl.Trainer(max_steps=steps, limit_val_batches=0, plugins=[plugin], logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck"), *callbacks])
+        trainer.fit(BoringModel(), ckpt_path=resume)
+        return trainer
+
+    before = signal.getsignal(signal.SIGTERM)
+    fit(20, TermAt(), TierioPreemption(exit_code=None))
+    assert signal.getsignal(signal.SIGTERM) == before  # Lightning's and then the original handler are back
+    last = Pointer.read(tmp_path / "ck" / "last.ckpt")
+    assert last.global_step == 5  # alone, the step is the one that saw the signal; the fit stopped there
+    assert [c.reason for c in list_checkpoints(str(tmp_path / "t0")) if c.step == last.step] == ["emergency: SIGTERM"]
+    resumed = fit(7, resume="last")
+    assert resumed.global_step == 7 and resumed.fit_loop.epoch_loop.batch_progress.total.completed == 7
+
+
+def test_strategies_that_bypass_or_split_the_plugin_are_refused_naming_the_fix(tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    def trainer(strategy, devices=1) -> pl.Trainer:
+        return pl.Trainer(strategy=strategy, plugins=[TierioCheckpointIO([str(tmp_path)])], accelerator="cpu",
+                          devices=devices, logger=False)
+
+    with pytest.raises(ConfigError, match=r"bypasses any CheckpointIO .*strategy=TierioModelParallelStrategy\("):
+        TierioPreemption().setup(trainer(ModelParallelStrategy()), None, "fit")
+    with pytest.raises(ConfigError, match="on 2 processes needs every rank to save .*TierioDDPStrategy"):
+        TierioPreemption().setup(trainer(DDPStrategy(), devices=2), None, "fit")
+    with pytest.raises(ConfigError, match="saves through tierio"):
+        TierioPreemption().setup(pl.Trainer(accelerator="cpu", logger=False), None, "fit")
+    with pytest.raises(ConfigError, match=r"storage_options=\{'reason'"):
+        TierioCheckpointIO([str(tmp_path)]).save_checkpoint({}, tmp_path / "x.ckpt", storage_options={"compress": 1})
+    with pytest.raises(ConfigError, match="per_rank='mine'"):
+        TierioCheckpointIO([str(tmp_path)], per_rank="mine")

@@ -31,12 +31,64 @@ def _kill_when(ready) -> None:
 
 
 # -- PyTorch Lightning -------------------------------------------------------------------------------
+class RankBatches:
+    """A train loader with a position that Lightning saves and restores (``state_dict``): this rank's
+    share of a shuffled order per epoch, ``batch`` samples a batch, each batch with its sample ids."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, rank: int, world: int, batch: int = 4) -> None:
+        self.x, self.y, self.rank, self.world, self.batch = x, y, rank, world, batch
+        self.epoch, self.served, self._resumed = -1, 0, False
+
+    def order(self, epoch: int) -> torch.Tensor:
+        return torch.randperm(len(self.x), generator=torch.Generator().manual_seed(epoch))[self.rank::self.world]
+
+    def ids(self, epoch: int, i: int) -> list[int]:
+        return self.order(epoch)[i * self.batch:(i + 1) * self.batch].tolist()
+
+    def __len__(self) -> int:
+        return len(self.x) // self.world // self.batch
+
+    def __iter__(self):
+        if not self._resumed:
+            self.epoch, self.served = self.epoch + 1, 0
+        self._resumed = False
+        while self.served < len(self):
+            ids = torch.tensor(self.ids(self.epoch, self.served))
+            self.served += 1
+            yield self.x[ids], self.y[ids], ids
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "served": self.served}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.served, self._resumed = state["epoch"], state["served"], True
+
+
+def _flat(obj, out: dict, prefix: str = "") -> dict:
+    """A checkpoint dict as {path: tensor or plain value}, to compare what was saved with what came back."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _flat(v, out, f"{prefix}/{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _flat(v, out, f"{prefix}/{i}")
+    else:
+        out[prefix] = obj.detach().clone() if isinstance(obj, torch.Tensor) else obj
+    return out
+
+
 def lightning_job(root: Path, tiers: list[str] | None, epochs: int, resume: str | None = None, kill_at: int | None = None,
-                  **plugin_options) -> dict[str, torch.Tensor]:
+                  preempt_at: int | None = None, term_twice: bool = False, stateful: bool = False,
+                  per_rank: str = "strict", dump: bool = False, **plugin_options) -> dict[str, torch.Tensor]:
+    """``preempt_at``: every rank sends itself SIGTERM after that global step, with TierioPreemption on
+    (0: during the first periodic save); ``term_twice``: again during the emergency save. The
+    emergency checkpoint's dict is dumped (``saved-RANK.pt``), a resume's loaded dict too
+    (``restored-RANK.pt``), and every batch's sample ids (``seen-RANK.jsonl``). ``dump``: the whole
+    model and optimizer state once restored and at the end (``restored-N``, ``final-N.safetensors``)."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-    from tierio.integrations.lightning import TierioCheckpointIO
+    from tierio.integrations.lightning import TierioCheckpointIO, TierioPreemption
 
     warnings.filterwarnings("ignore")
 
@@ -47,12 +99,40 @@ def lightning_job(root: Path, tiers: list[str] | None, epochs: int, resume: str 
             self.net = nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 1))
 
         def training_step(self, batch, i):
-            x, y = batch
+            x, y = batch[:2]
             return nn.functional.mse_loss(self.net(x), y)
 
         def configure_optimizers(self):
             opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
             return [opt], [torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)]
+
+    rank = int(os.environ.get("RANK", "0"))
+
+    class Preempted(Callback):
+        at: int | None = None  # the global step of the first SIGTERM
+
+        def term(self, trainer) -> None:
+            self.at = trainer.global_step if self.at is None else self.at
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        def on_train_batch_start(self, trainer, module, batch, i) -> None:
+            with open(root / f"seen-{rank}.jsonl", "a") as f:
+                f.write(json.dumps([trainer.current_epoch, i, batch[2].tolist() if len(batch) > 2 else None]) + "\n")
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, i) -> None:
+            if preempt_at and trainer.global_step == preempt_at and self.at is None:
+                self.term(trainer)
+
+        def on_save_checkpoint(self, trainer, module, checkpoint) -> None:
+            if preempt_at == 0 and self.at is None:
+                self.term(trainer)  # a periodic save is under way
+            elif self.at is not None and trainer.global_step > self.at:  # the emergency save, at the agreed step
+                torch.save(_flat(checkpoint, {}), root / f"saved-{rank}.pt")
+                if term_twice:
+                    self.term(trainer)
+
+        def on_load_checkpoint(self, trainer, module, checkpoint) -> None:
+            torch.save(_flat(checkpoint, {}), root / f"restored-{rank}.pt")
 
     class KillAt(Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, i) -> None:
@@ -61,23 +141,30 @@ def lightning_job(root: Path, tiers: list[str] | None, epochs: int, resume: str 
 
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g)
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    data = RankBatches(x, y, rank, world) if stateful else \
+        torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
     pl.seed_everything(0, verbose=False)
     model = Regression()
-    callbacks = [ModelCheckpoint(dirpath=root / "ck", save_last=True, save_top_k=2, monitor="step", mode="max")]
+    preempting = preempt_at is not None or stateful  # a run with TierioPreemption and its resumes
+    every = {"every_n_train_steps": 3} if preempting else {}
+    callbacks = [ModelCheckpoint(dirpath=root / "ck", save_last=True, save_top_k=2, monitor="step", mode="max", **every)]
     if kill_at is not None:
         callbacks.append(KillAt())
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if preempting:
+        callbacks += [Preempted(), TierioPreemption(grace_seconds=120)]
+    if dump:
+        callbacks.append(_dump_callback(root, resume))
     if world > 1:  # under torchrun: DDP over gloo, every rank saving through tierio (or the stock strategy)
         from lightning.pytorch.strategies import DDPStrategy
 
         from tierio.integrations.lightning import TierioDDPStrategy
 
-        strategy = TierioDDPStrategy(tiers, plugin_options, process_group_backend="gloo") if tiers is not None \
-            else DDPStrategy(process_group_backend="gloo")
+        strategy = TierioDDPStrategy(tiers, plugin_options, per_rank, process_group_backend="gloo") \
+            if tiers is not None else DDPStrategy(process_group_backend="gloo")
         run = {"strategy": strategy, "devices": world}
     else:
-        run = {"plugins": [TierioCheckpointIO(tiers, **plugin_options)]} if tiers is not None else {}
+        run = {"plugins": [TierioCheckpointIO(tiers, per_rank, **plugin_options)]} if tiers is not None else {}
     trainer = pl.Trainer(max_epochs=epochs, callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
                          logger=False, accelerator="cpu", **run)
     trainer.fit(model, data, ckpt_path=resume)
@@ -201,15 +288,31 @@ def hf_fsdp_job(root: Path, tiers: list[str], resume: bool) -> None:
     dump_full(root / f"{'restored' if resume else 'saved'}-{mesh.size()}.safetensors", model, opt)
 
 
+def _dump_callback(root: Path, resume):
+    """A Lightning callback: the whole model and optimizer state once restored (``restored-N``, a
+    resume only) and at the end (``final-N``), N the world size."""
+    from lightning.pytorch.callbacks import Callback
+
+    class Dump(Callback):
+        def on_train_start(self, trainer, module) -> None:
+            if resume:
+                dump_full(root / f"restored-{trainer.world_size}.safetensors", module, trainer.optimizers[0])
+
+        def on_train_end(self, trainer, module) -> None:
+            dump_full(root / f"final-{trainer.world_size}.safetensors", module, trainer.optimizers[0])
+
+    return Dump()
+
+
 def lightning_fsdp_job(root: Path, tiers: list[str], epochs: int, resume: bool) -> None:
     """Lightning's ModelParallelStrategy (FSDP2 in ``configure_model``) through
     TierioModelParallelStrategy; the whole model and optimizer state is dumped once restored
     (``restored-N``) and at the end (``final-N``)."""
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.distributed.fsdp import fully_shard
 
-    from tierio.integrations.lightning import TierioModelParallelStrategy
+    from tierio.integrations.lightning import TierioModelParallelStrategy, TierioPreemption
 
     warnings.filterwarnings("ignore")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -234,21 +337,14 @@ def lightning_fsdp_job(root: Path, tiers: list[str], epochs: int, resume: bool) 
             opt = torch.optim.Adam(self.parameters(), lr=0.01)
             return [opt], [torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)]
 
-    class Dump(Callback):
-        def on_train_start(self, trainer, module) -> None:
-            if resume:
-                dump_full(root / f"restored-{world}.safetensors", module, trainer.optimizers[0])
-
-        def on_train_end(self, trainer, module) -> None:
-            dump_full(root / f"final-{world}.safetensors", module, trainer.optimizers[0])
-
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
     pl.seed_everything(world if resume else 0, verbose=False)  # a resume starts from other weights
     strategy = TierioModelParallelStrategy(tiers, data_parallel_size=world, tensor_parallel_size=1,
                                            process_group_backend="gloo" if accelerator == "cpu" else "nccl")
-    callbacks = [ModelCheckpoint(dirpath=root / "ck", save_last=True, save_top_k=2, monitor="step", mode="max"), Dump()]
+    callbacks = [ModelCheckpoint(dirpath=root / "ck", save_last=True, save_top_k=2, monitor="step", mode="max"),
+                 _dump_callback(root, resume), TierioPreemption()]  # on watch under FSDP2, never signalled
     trainer = pl.Trainer(max_epochs=epochs, callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
                          logger=False, accelerator=accelerator, devices=world, strategy=strategy)
     trainer.fit(Sharded(), data, ckpt_path="last" if resume else None)
@@ -279,6 +375,11 @@ def main() -> None:
     p.add_argument("--kill-at", type=int)
     p.add_argument("--resume", action="store_true", help="resume from the newest checkpoint (hf)")
     p.add_argument("--keep-all", action="store_true", help="no save_total_limit (hf)")
+    p.add_argument("--preempt-at", type=int, help="SIGTERM every rank after this global step (lightning; 0: mid-save)")
+    p.add_argument("--term-twice", action="store_true", help="SIGTERM again during the emergency save (lightning)")
+    p.add_argument("--stateful", action="store_true", help="a train loader with a position (lightning)")
+    p.add_argument("--per-rank", default="strict", help="per_rank of the Tierio strategy (lightning)")
+    p.add_argument("--dump", action="store_true", help="dump the whole state once restored and at the end (lightning)")
     a = p.parse_args()
     root, tiers = Path(a.root), json.loads(a.tiers)
     if a.job.endswith("-fsdp"):  # these write their own dumps
@@ -286,7 +387,9 @@ def main() -> None:
             return hf_fsdp_job(root, tiers, a.resume)
         return lightning_fsdp_job(root, tiers, a.length, a.resume)
     if a.job == "lightning":
-        weights = lightning_job(root, tiers, a.length, kill_at=a.kill_at, resume="last" if a.resume else None)
+        weights = lightning_job(root, tiers, a.length, kill_at=a.kill_at, resume="last" if a.resume else None,
+                                preempt_at=a.preempt_at, term_twice=a.term_twice, stateful=a.stateful, per_rank=a.per_rank,
+                                dump=a.dump)
     else:
         weights = hf_job(root, tiers, a.length, kill_at=a.kill_at, resume=True if a.resume else None,
                          save_total_limit=None if a.keep_all else 2)

@@ -246,11 +246,14 @@ class PublishingSaver:
             dirs = sorted(self._dirs)
         return pointed_steps(p for d in dirs if d.is_dir() for p in self._pointers_in(d))
 
+    def in_flight(self) -> list[Future]:
+        """The futures of the saves not published yet (``save``'s), oldest first."""
+        with self._lock:
+            return [f for f in self._published if not f.done()]
+
     def wait_published(self) -> None:
         """Wait until every save made so far is published (or its save failed)."""
-        with self._lock:
-            pending = list(self._published)
-        for f in pending:
+        for f in self.in_flight():
             f.exception()
 
     def wait(self) -> None:
