@@ -40,6 +40,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, ClassVar
 
 from tierio.errors import ConfigError
@@ -173,6 +174,7 @@ class Preemption:
         self._saving = False
         if opts.exit_code is None:
             return
+        self._leave_together(step, started + opts.grace_seconds)
         if opts.requeue and self.manager.rank == 0 and os.environ.get("SLURM_JOB_ID"):
             subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=False, timeout=30)
         sys.stdout.flush()
@@ -180,6 +182,19 @@ class Preemption:
         # The step is durable: exit now, within the grace period. Promotion to slower tiers resumes
         # in the next run; the leases lapse (or are taken over by the requeued run of the same id).
         os._exit(opts.exit_code)
+
+    def _leave_together(self, step: int, deadline: float) -> None:
+        """No rank exits before every rank's futures are done: a launcher such as torchrun stops the
+        other ranks once one exits, which would cut short what rank 0 still publishes."""
+        if self._store is None:
+            return
+        self._store.set(f"{self._key}/done/{self.manager.rank}", "1")
+        try:
+            self._store.wait([f"{self._key}/done/{r}" for r in range(self.manager.world_size)],
+                             timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        except Exception as exc:  # noqa: BLE001 - a rank that never finished: exit anyway, in time
+            print(f"tierio: not every rank finished step {step} within the grace period ({exc}); exiting",
+                  file=sys.stderr, flush=True)
 
     def close(self) -> None:
         for sig, handler in self._previous.items():
