@@ -138,14 +138,14 @@ def hf_job(root: Path, tiers: list[str] | None, max_steps: int, resume: bool | s
                 print(f"step {state.global_step}", flush=True)
 
         def on_save(self, args, state, control, **kw):
-            if job.get("dump"):
-                dump_full(root / f"saved-{world}-{state.global_step}.safetensors", kw["model"], kw["optimizer"],
-                          kw["lr_scheduler"])
             if state.global_step == job.get("sigterm_at_save") or (self.signalled and job.get("sigterm_twice")):
                 in_flight = not (root / "out" / f"checkpoint-{state.global_step}").exists()
                 print(f"rank {rank} signals itself at step {state.global_step}, in flight: {in_flight}", flush=True)
                 self.signalled = True
                 os.kill(os.getpid(), signal.SIGTERM)
+            if job.get("dump"):
+                dump_full(root / f"saved-{world}-{state.global_step}.safetensors", kw["model"], kw["optimizer"],
+                          kw["lr_scheduler"])
 
     base = TierioTrainer if tiers is not None else Trainer
     data = TokenData()

@@ -133,10 +133,17 @@ def _pointers_in(run_dir: Path) -> Iterable[Path]:
 
 
 class PreemptCallback(TrainerCallback):
-    """At the end of every optimizer step: whether the ranks agreed to take the emergency save now."""
+    """Installs the signal handlers once a resume has loaded its checkpoint (main thread, process
+    group up); at the end of every optimizer step, asks whether the ranks agreed to save now."""
 
     def __init__(self, trainer: TierioCheckpointsMixin) -> None:
         self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # After the loads: their readers are closed before the saving manager (and its lease) exists.
+        options = self.trainer._tierio_preempt
+        if options is not None and self.trainer.preemption is None:
+            self.trainer.preemption = Preemption(self.trainer.tierio.start(), options)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         preempt = self.trainer.preemption
@@ -268,10 +275,8 @@ class TierioCheckpointsMixin:
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; returns once every checkpoint is durable and promoted (the tiers'
         leases are released then, so another run may write them). With ``tierio_preemption`` the
-        signal handlers are installed meanwhile (here: the main thread, the process group up)."""
+        signal handlers are installed from the train start on (``PreemptCallback``)."""
         self._tierio_position = None
-        if self._tierio_preempt is not None:
-            self.preemption = Preemption(self.tierio.start(), self._tierio_preempt)
         try:
             out = super().train(*args, **kwargs)  # type: ignore[misc]
         except BaseException:
