@@ -221,12 +221,18 @@ def hf_fsdp_job(root: Path, tiers: list[str], resume: bool) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     trainer = SimpleNamespace(model=model, optimizer=opt, lr_scheduler=sched, accelerator=SimpleNamespace(scaler=None),
                               args=SimpleNamespace(save_only_model=False),
-                              tierio=TrainerCheckpoints(tiers, {}, every_rank=mesh.size() > 1, sharded=True))
+                              tierio=TrainerCheckpoints(tiers, {}, every_rank=mesh.size() > 1, sharded=True),
+                              _tierio_check_position=lambda folder: None)  # no Trainer loop: no data position
     folder = root / "out" / "checkpoint-2"
     if resume:
         TierioCheckpointsMixin._load_from_checkpoint(trainer, str(folder), model)
         TierioCheckpointsMixin._load_optimizer_and_scheduler(trainer, str(folder))
         assert sched.state_dict()["last_epoch"] == 2, sched.state_dict()
+        with torch.no_grad():  # load_best_model_at_end: the model alone comes back
+            for p in model.parameters():
+                p.zero_()
+        trainer.state = SimpleNamespace(best_model_checkpoint=str(folder))
+        TierioCheckpointsMixin._load_best_model(trainer)
     else:
         ids = TokenData().x[:4]
         for _ in range(2):
@@ -329,6 +335,8 @@ def main() -> None:
         p.add_argument(f"--{flag}", action="store_true")
     a = p.parse_args()
     root, tiers = Path(a.root), json.loads(a.tiers)
+    if a.job.startswith("hf"):  # a hung job prints its stacks and ends before the test's timeout
+        faulthandler.dump_traceback_later(240, exit=True)
     if a.job.endswith("-fsdp"):  # these write their own dumps
         if a.job == "hf-fsdp":
             return hf_fsdp_job(root, tiers, a.resume)

@@ -369,8 +369,9 @@ class TierioCheckpointsMixin:
         if not is_tierio_checkpoint(best):
             return super()._load_best_model()  # type: ignore[misc]
         into = {"model": sharded.state_dicts(t.model, [])[0]} if self.tierio.sharded else None
-        state = restore(self.tierio.tiers, Pointer.read(Path(best) / POINTER_NAME), best, into=into, rank=0,
-                        world_size=1)
+        # The model only (not the optimizer): every rank reads it alone, under FSDP2 just its shards.
+        state = restore(self.tierio.tiers, Pointer.read(Path(best) / POINTER_NAME), best, per_rank="own", into=into,
+                        parts=["model"], rank=0, world_size=1)
         if self.tierio.sharded:
             sharded.apply(t.model, [], state["model"], [])
         else:
