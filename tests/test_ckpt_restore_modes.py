@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tierio.ckpt import CheckpointManager, TensorSlice
-from tierio.errors import IntegrityError
+from tierio.errors import ConfigError, IntegrityError
 from tierio.format.manifest import parse_manifest
 
 from test_ckpt_reshard import WHOLE, ranks, save_rows
@@ -277,3 +277,16 @@ def test_a_restore_from_s3_fills_tier_0_so_the_next_restore_reads_it_locally(tmp
         assert_same(mgr.restore(), state)
         got = mgr.stats()["restore"]
         assert got["from"] == local and got["mapped_bytes"] == nbytes(state) and "fill" not in got
+
+
+def test_restoring_some_parts_reads_only_their_bytes(tmp_path):
+    state = {"model": {"w": torch.randn(64, 64)}, "optimizer": {"m": torch.randn(256, 256)}, "step": 3}
+    with CheckpointManager([tmp_path]) as mgr:
+        mgr.save(1, state).wait()
+    with CheckpointManager([tmp_path]) as mgr:
+        got = mgr.restore(parts=["model"])  # e.g. the best model at the end of training, without its optimizer
+        assert got.keys() == {"model"} and torch.equal(got["model"]["w"], state["model"]["w"])
+        stats = mgr.stats()["restore"]
+        assert stats["mapped_bytes"] + stats["read_bytes"] == state["model"]["w"].nbytes
+        with pytest.raises(ConfigError, match=r"no part 'scheduler'; pass parts among \['model', 'optimizer', 'step'\]"):
+            mgr.restore(parts=["scheduler"])

@@ -193,7 +193,13 @@ def tiny_gpt2(n_embd: int = 32, n_layer: int = 2):
 
 
 def hf_job(root: Path, tiers: list[str] | None, max_steps: int, resume: bool | str | None = None,
-           kill_at: int | None = None, save_total_limit: int | None = 2) -> dict[str, torch.Tensor]:
+           kill_at: int | None = None, save_total_limit: int | None = 2, batch: int = 4, accum: int = 1,
+           preempt: bool = False, **job) -> dict[str, torch.Tensor]:
+    """``job``: ``print_steps`` (each rank's pid, rank 0's steps on stdout), ``sigterm_at_save`` (every
+    rank signals itself right after staging that step's save), ``sigterm_twice`` (and again during
+    the emergency save), ``log_samples`` (the dataset indices each rank trains on, to
+    ROOT/samples-WORLD-RANK.txt), ``dump`` (whole model, optimizer and scheduler state at every save
+    and once restored, as ``dump_full``)."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
     from transformers.utils import logging as hf_logging
 
@@ -201,18 +207,50 @@ def hf_job(root: Path, tiers: list[str] | None, max_steps: int, resume: bool | s
 
     warnings.filterwarnings("ignore")
     hf_logging.set_verbosity_error()
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
-    class KillAt(TrainerCallback):
+    class Job(TrainerCallback):
+        signalled = False
+
+        def on_train_begin(self, args, state, control, **kw):
+            if job.get("print_steps"):
+                print(f"pid {rank} {os.getpid()}", flush=True)
+            if job.get("dump") and resume:
+                dump_full(root / f"restored-{world}.safetensors", kw["model"], kw["optimizer"], kw["lr_scheduler"])
+
         def on_step_end(self, args, state, control, **kw):
             if state.global_step == kill_at:
                 _kill_when(lambda: any((root / "out").glob("checkpoint-*/trainer_state.json")))
+            if job.get("print_steps") and rank == 0:
+                print(f"step {state.global_step}", flush=True)
 
-    args = TrainingArguments(str(root / "out"), max_steps=max_steps, per_device_train_batch_size=4, save_steps=3,
-                             logging_steps=1000, report_to=[], use_cpu=True, seed=7, save_total_limit=save_total_limit,
-                             disable_tqdm=True)
-    kw = {"tierio_tiers": tiers} if tiers is not None else {}
-    cls = TierioTrainer if tiers is not None else Trainer
-    trainer = cls(model=tiny_gpt2(), args=args, train_dataset=TokenData(), callbacks=[KillAt()] if kill_at else None, **kw)
+        def on_save(self, args, state, control, **kw):
+            if state.global_step == job.get("sigterm_at_save") or (self.signalled and job.get("sigterm_twice")):
+                in_flight = not (root / "out" / f"checkpoint-{state.global_step}").exists()
+                print(f"rank {rank} signals itself at step {state.global_step}, in flight: {in_flight}", flush=True)
+                self.signalled = True
+                os.kill(os.getpid(), signal.SIGTERM)
+            if job.get("dump"):
+                dump_full(root / f"saved-{world}-{state.global_step}.safetensors", kw["model"], kw["optimizer"],
+                          kw["lr_scheduler"])
+
+    base = TierioTrainer if tiers is not None else Trainer
+    data = TokenData()
+    index = {tuple(row.tolist()): i for i, row in enumerate(data.x)}
+
+    class JobTrainer(base):
+        def training_step(self, model, inputs, *a, **kw):
+            if job.get("log_samples"):  # before the step: a run killed later still trained on these
+                with open(root / f"samples-{world}-{rank}.txt", "a") as f:
+                    f.write(f"{int(self.state.epoch or 0)} "
+                            f"{' '.join(str(index[tuple(r.tolist())]) for r in inputs['input_ids'])}\n")
+            return super().training_step(model, inputs, *a, **kw)
+
+    args = TrainingArguments(str(root / "out"), max_steps=max_steps, per_device_train_batch_size=batch, save_steps=3,
+                             gradient_accumulation_steps=accum, logging_steps=1000, report_to=[], use_cpu=True, seed=7,
+                             save_total_limit=save_total_limit, disable_tqdm=True)
+    kw = {"tierio_tiers": tiers, "tierio_preemption": preempt} if tiers is not None else {}
+    trainer = JobTrainer(model=tiny_gpt2(), args=args, train_dataset=data, callbacks=[Job()], **kw)
     trainer.train(resume_from_checkpoint=resume)
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
@@ -227,9 +265,10 @@ def _mesh():
     return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
-def dump_full(path: Path, model, optimizer) -> None:
+def dump_full(path: Path, model, optimizer, scheduler=None) -> None:
     """Every rank: the whole tensors of a sharded model and optimizer (``full_tensor`` is a
-    collective); rank 0 writes them to ``path``, named model/FQN and optim/FQN/KEY."""
+    collective); rank 0 writes them to ``path``, named model/FQN and optim/FQN/KEY (and the
+    scheduler's state as JSON in the file's metadata)."""
     from safetensors.torch import save_file
 
     from tierio.integrations.sharded import state_dicts
@@ -242,7 +281,7 @@ def dump_full(path: Path, model, optimizer) -> None:
     flat.update({f"optim/{fqn}/{k}": full(v) for fqn, st in osd["state"].items() for k, v in st.items()
                  if isinstance(v, torch.Tensor)})
     if os.environ.get("RANK", "0") == "0":
-        save_file(flat, str(path))
+        save_file(flat, str(path), {"scheduler": json.dumps(scheduler.state_dict(), default=str)} if scheduler else None)
 
 
 def hf_fsdp_job(root: Path, tiers: list[str], resume: bool) -> None:
@@ -269,12 +308,18 @@ def hf_fsdp_job(root: Path, tiers: list[str], resume: bool) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     trainer = SimpleNamespace(model=model, optimizer=opt, lr_scheduler=sched, accelerator=SimpleNamespace(scaler=None),
                               args=SimpleNamespace(save_only_model=False),
-                              tierio=TrainerCheckpoints(tiers, {}, every_rank=mesh.size() > 1, sharded=True))
+                              tierio=TrainerCheckpoints(tiers, {}, every_rank=mesh.size() > 1, sharded=True),
+                              _tierio_check_position=lambda folder: None)  # no Trainer loop: no data position
     folder = root / "out" / "checkpoint-2"
     if resume:
         TierioCheckpointsMixin._load_from_checkpoint(trainer, str(folder), model)
         TierioCheckpointsMixin._load_optimizer_and_scheduler(trainer, str(folder))
         assert sched.state_dict()["last_epoch"] == 2, sched.state_dict()
+        with torch.no_grad():  # load_best_model_at_end: the model alone comes back
+            for p in model.parameters():
+                p.zero_()
+        trainer.state = SimpleNamespace(best_model_checkpoint=str(folder))
+        TierioCheckpointsMixin._load_best_model(trainer)
     else:
         ids = TokenData().x[:4]
         for _ in range(2):
@@ -350,9 +395,10 @@ def lightning_fsdp_job(root: Path, tiers: list[str], epochs: int, resume: bool) 
     trainer.fit(Sharded(), data, ckpt_path="last" if resume else None)
 
 
-def torchrun(job: str, root: Path, tiers: list[str] | None, length: int, *extra: str,
-             nprocs: int = 2) -> subprocess.CompletedProcess[str]:
-    """``job`` as ``nprocs`` DDP processes under torchrun (gloo, a free port on 127.0.0.1)."""
+def torchrun(job: str, root: Path, tiers: list[str] | None, length: int, *extra: str, nprocs: int = 2,
+             popen: bool = False) -> subprocess.CompletedProcess[str]:
+    """``job`` as ``nprocs`` DDP processes under torchrun (gloo, a free port on 127.0.0.1); ``popen``:
+    started, not waited for (a ``Popen``, stderr merged into the stdout pipe)."""
     from tierio.storage.seaweed import free_port
 
     port = free_port()
@@ -360,6 +406,8 @@ def torchrun(job: str, root: Path, tiers: list[str] | None, length: int, *extra:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs), "--master_addr", "127.0.0.1",
            "--master_port", str(port), __file__, job, str(root), "--tiers", json.dumps(tiers), "--length", str(length),
            *extra]
+    if popen:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -379,9 +427,17 @@ def main() -> None:
     p.add_argument("--term-twice", action="store_true", help="SIGTERM again during the emergency save (lightning)")
     p.add_argument("--stateful", action="store_true", help="a train loader with a position (lightning)")
     p.add_argument("--per-rank", default="strict", help="per_rank of the Tierio strategy (lightning)")
-    p.add_argument("--dump", action="store_true", help="dump the whole state once restored and at the end (lightning)")
+    p.add_argument("--dump", action="store_true", help="dump the whole state once restored and at the end")
+    p.add_argument("--batch", type=int, default=4, help="per_device_train_batch_size (hf)")
+    p.add_argument("--accum", type=int, default=1, help="gradient_accumulation_steps (hf)")
+    p.add_argument("--preempt", action="store_true", help="tierio_preemption=True (hf)")
+    p.add_argument("--sigterm-at-save", type=int, help="every rank signals itself after staging this step (hf)")
+    for flag in ("print-steps", "sigterm-twice", "log-samples"):  # see hf_job
+        p.add_argument(f"--{flag}", action="store_true")
     a = p.parse_args()
     root, tiers = Path(a.root), json.loads(a.tiers)
+    if a.job.startswith("hf"):  # a hung job prints its stacks and ends before the test's timeout
+        faulthandler.dump_traceback_later(240, exit=True)
     if a.job.endswith("-fsdp"):  # these write their own dumps
         if a.job == "hf-fsdp":
             return hf_fsdp_job(root, tiers, a.resume)
@@ -392,7 +448,9 @@ def main() -> None:
                                 dump=a.dump)
     else:
         weights = hf_job(root, tiers, a.length, kill_at=a.kill_at, resume=True if a.resume else None,
-                         save_total_limit=None if a.keep_all else 2)
+                         save_total_limit=None if a.keep_all else 2, batch=a.batch, accum=a.accum, preempt=a.preempt,
+                         print_steps=a.print_steps, sigterm_at_save=a.sigterm_at_save, sigterm_twice=a.sigterm_twice,
+                         log_samples=a.log_samples, dump=a.dump)
     from safetensors.torch import save_file
 
     if os.environ.get("RANK", "0") == "0":  # under torchrun every rank holds the same weights

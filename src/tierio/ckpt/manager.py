@@ -236,7 +236,8 @@ class CheckpointManager:
         """The tiers a restore reads files from, in order (``restore.source.read_order``)."""
         return read_order(self._tiers, first)
 
-    def restore(self, step: int | None = None, into: Any = None, *, per_rank: str = "strict", mapped: bool = True) -> Any:
+    def restore(self, step: int | None = None, into: Any = None, *, per_rank: str = "strict", mapped: bool = True,
+                parts: Sequence[str] | None = None) -> Any:
         """Restore ``step`` (default: the newest step every rank can restore) from the fastest tiers
         holding good copies; every chunk verified.
 
@@ -249,6 +250,7 @@ class CheckpointManager:
         between the saved ranks are refused unless ``per_rank="own"``. Tensors restored into new
         memory are copy-on-write maps of local shard files where a tier holds them whole, verified
         before this returns (``restore.mapped``); ``mapped=False`` reads them into private memory.
+        ``parts`` (top-level keys of a dict state, e.g. ``["model"]``): only those are read and returned.
 
         Saving after a restore of an older step is a rollback: the first save retires the steps after
         it on every tier (``steps.lineage``)."""
@@ -263,7 +265,7 @@ class CheckpointManager:
         copies = node_copies(self._tiers[0], self.rank, self.world_size, self._buddy, self._group, shared)
         candidates = [step] if step is not None else sorted(set(shared) | set(copies.plans if copies else ()), reverse=True)
         req = recovery.Request(self.rank, self.world_size, into, per_rank, self._tiers, self.sources, mapped=mapped,
-                               node_copies=copies)
+                               node_copies=copies, parts=parts)
         got = recovery.restore(req, candidates, recovery.Agreement(self._group, self.world_size), step is not None)
         self._book.restored(got.step)
         if copies is not None and got.step in copies.plans:  # committed nowhere yet: published behind

@@ -166,9 +166,9 @@ class Preemption:
 
     def finish(self, step: int, *durable: Future[Any]) -> None:
         """Wait until every future in ``durable`` is done (``durable(handle)``; for a framework, also
-        the pointer it publishes) and, on a node-local tier 0, until every rank's part is there,
-        within ``grace_seconds`` of the signal; then exit with ``exit_code`` (return when that is
-        None). A failed save raises its error."""
+        the pointer it publishes) and then until every rank's are (counted on the TCPStore), within
+        ``grace_seconds`` of the signal; then exit with ``exit_code`` (return when that is None).
+        A failed save raises its error."""
         opts, started = self.options, self._seen if self._seen is not None else time.monotonic()
 
         def left() -> float:
@@ -176,8 +176,8 @@ class Preemption:
         try:
             for future in durable:
                 future.result(left())
-            if self.manager.node_local and self._store is not None:
-                self._every_part(step, left)
+            if self._store is not None:
+                self._every_rank(step, left)
         except TimeoutError:
             print(f"tierio: step {step} was not durable within grace_seconds={opts.grace_seconds:g} of the signal; "
                   "exiting; the previous durable step restores (raise grace_seconds, up to the scheduler's grace "
@@ -200,14 +200,17 @@ class Preemption:
         # in the next run; the leases lapse (or are taken over by the requeued run of the same id).
         os._exit(opts.exit_code)
 
-    def _every_part(self, step: int, left: Callable[[], float]) -> None:
-        """This rank's part of ``step`` is on its node's tier 0: count it on the TCPStore, then wait
-        until every rank's is (TimeoutError when ``left()`` runs out first). Global rank 0 may host
-        the store (``init_process_group`` without torchrun): it leaves last, once every rank has
-        seen the count, so no rank waits on a store that is gone."""
+    def _every_rank(self, step: int, left: Callable[[], float]) -> None:
+        """This rank's part of ``step`` is done (durable; for a framework, published): count it on the
+        TCPStore, then wait until every rank's is (TimeoutError when ``left()`` runs out first).
+        On a node-local tier 0 that count is what makes the step durable; on any tier it keeps a
+        rank from exiting early, since a launcher such as torchrun stops the other ranks at the
+        first exit, cutting short what rank 0 still publishes. Global rank 0 may host the store
+        (``init_process_group`` without torchrun): it leaves last, once every rank has seen the
+        count, so no rank waits on a store that is gone."""
         import torch.distributed as dist
 
-        key, world = f"{self._key}/persisted/{step}", self.manager.world_size
+        key, world = f"{self._key}/done/{step}", self.manager.world_size
         try:
             self._count_to(key, world, left, self._store.add(key, 1))
             seen = self._store.add(f"{key}/seen", 1)
@@ -215,7 +218,7 @@ class Preemption:
                 try:
                     self._count_to(f"{key}/seen", world, left, seen)
                 except TimeoutError:
-                    pass  # every part is durable: only the others' exit was not seen
+                    pass  # every part is done: only the others' exit was not seen
         except RuntimeError as exc:  # the store is gone (its host exited): nobody can count any more
             raise TimeoutError(f"the TCPStore stopped answering while counting the parts of step {step}: {exc}") from exc
 
@@ -224,7 +227,7 @@ class Preemption:
         delay = 0.002
         while count < n:
             if left() <= 0:
-                raise TimeoutError(f"{n - count} of {n} ranks have not persisted their part")
+                raise TimeoutError(f"{n - count} of {n} ranks have not finished their part")
             time.sleep(min(delay, left()))
             delay = min(delay * 1.5, 0.05)
             count = self._store.add(key, 0)

@@ -110,9 +110,9 @@ def check_manager_options(options: dict[str, Any], fixed: Sequence[str] = _FIXED
 
 
 def restore(tiers: Sequence[str | Path | Tier], pointer: Pointer, where: str, per_rank: str = "strict",
-            into: Any = None, **manager: Any) -> Any:
-    """The state a pointer names, from the fastest tier with a good copy (``per_rank`` and ``into``:
-    as for ``CheckpointManager.restore``; DTensors in ``into`` receive their shard, resharded).
+            into: Any = None, parts: Sequence[str] | None = None, **manager: Any) -> Any:
+    """The state a pointer names, from the fastest tier with a good copy (``per_rank``, ``into`` and
+    ``parts``: as for ``CheckpointManager.restore``; DTensors in ``into`` receive their shard, resharded).
 
     A manager of its own reads it, so loading (for a resume, a test or a "best" checkpoint) never
     starts tierio's rollback of the saving manager: the framework's files say what exists."""
@@ -122,7 +122,7 @@ def restore(tiers: Sequence[str | Path | Tier], pointer: Pointer, where: str, pe
                 f"{where} names tierio step {pointer.step} (saved to {', '.join(pointer.tiers)}), which is on none of "
                 f"the tiers {', '.join(reader.tiers)}: it was deleted, or this job points at other tiers"
             )
-        return reader.restore(step=pointer.step, into=into, per_rank=per_rank)
+        return reader.restore(step=pointer.step, into=into, per_rank=per_rank, parts=parts)
 
 
 def unstorable_advice(framework: str, fix: str) -> str:

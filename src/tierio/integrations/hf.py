@@ -32,14 +32,17 @@ import os
 import shutil
 import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from tierio.ckpt import rng_state, set_rng_state
+from tierio.ckpt.preempt import PreemptOptions, Preemption
 from tierio.ckpt.replicated import spread
 from tierio.dist import rank_world
 from tierio.errors import ConfigError
 from tierio.integrations import sharded
+from tierio.integrations.hf_position import DataPosition, check_geometry, check_skip
 from tierio.integrations.checkpoints import (
     Pointer,
     PublishingSaver,
@@ -49,7 +52,7 @@ from tierio.integrations.checkpoints import (
 )
 from tierio.io.durable import atomic_write, fsync_dir, temp_name
 
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -98,14 +101,15 @@ class TrainerCheckpoints(PublishingSaver):
         self._restored_lock = threading.Lock()
 
     def save_folder(self, state: dict[str, Any], folder: Path, trainer_state: str, after: Callable[[], None],
-                    global_step: int | None, epoch: int | None) -> None:
-        """Stage ``state``; once durable, publish ``folder`` and call ``after()`` (rotation)."""
+                    global_step: int | None, epoch: int | None, reason: str | None = None) -> Future:
+        """Stage ``state``; once durable, publish ``folder`` and call ``after()`` (rotation). Returns
+        the future of the publication (see ``PublishingSaver.save``)."""
 
         def publish(pointer: Pointer) -> None:
             publish_folder(folder, pointer, trainer_state)
             after()
 
-        self.save(state, folder.parent, publish, global_step, epoch)
+        return self.save(state, folder.parent, publish, global_step, epoch, reason=reason)
 
     def load(self, folder: str, into: Any = None) -> dict[str, Any]:
         """The restored parts of ``folder``'s checkpoint still to be applied (restored once; the
@@ -128,18 +132,49 @@ def _pointers_in(run_dir: Path) -> Iterable[Path]:
     return (p / POINTER_NAME for p in run_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if p.is_dir())
 
 
+class PreemptCallback(TrainerCallback):
+    """Installs the signal handlers once a resume has loaded its checkpoint (main thread, process
+    group up); at the end of every optimizer step, asks whether the ranks agreed to save now."""
+
+    def __init__(self, trainer: TierioCheckpointsMixin) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # After the loads: their readers are closed before the saving manager (and its lease) exists.
+        options = self.trainer._tierio_preempt
+        if options is not None and self.trainer.preemption is None:
+            self.trainer.preemption = Preemption(self.trainer.tierio.start(), options)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        preempt = self.trainer.preemption
+        if preempt is not None and preempt.requested(state.global_step):
+            self.trainer._tierio_emergency_save(preempt)
+
+
 class TierioCheckpointsMixin:
     """Mix into a ``transformers.Trainer`` (sub)class: its checkpoints go through tierio.
 
     ``tierio_tiers``: tier URLs, fastest first; ``tierio_options``: CheckpointManager keywords
-    (``memory_budget_bytes``, ``promote_bandwidth``, ``min_keep``, ...)."""
+    (``memory_budget_bytes``, ``promote_bandwidth``, ``min_keep``, ...); ``tierio_preemption``:
+    ``True`` or a ``PreemptOptions``: a scheduler's signal (SIGTERM, SIGUSR1) becomes a Trainer
+    checkpoint of the step every rank agrees on, published before the process exits."""
 
-    def __init__(self, *args: Any, tierio_tiers: Any, tierio_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tierio_tiers: Any, tierio_options: dict[str, Any] | None = None,
+                 tierio_preemption: bool | PreemptOptions = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._check_supported()
         t: Any = self
         self.tierio = TrainerCheckpoints(tierio_tiers, tierio_options or {}, every_rank=self.args.world_size > 1,
                                          sharded=t.is_fsdp_enabled)
+        if not isinstance(tierio_preemption, (bool, PreemptOptions)):
+            raise ConfigError(f"tierio_preemption takes True, False or a tierio.ckpt.PreemptOptions, not "
+                              f"{type(tierio_preemption).__name__}")
+        self._tierio_preempt = PreemptOptions() if tierio_preemption is True else tierio_preemption or None
+        self.preemption: Preemption | None = None  # installed while train() runs
+        self._tierio_steps_per_epoch: int | None = None
+        self._tierio_position: tuple[str, DataPosition] | None = None  # the resumed folder's
+        if self._tierio_preempt is not None:
+            t.add_callback(PreemptCallback(self))
 
     def _check_supported(self) -> None:
         t: Any = self
@@ -159,6 +194,20 @@ class TierioCheckpointsMixin:
 
     # -- saving ---------------------------------------------------------------------------------
     def _save_checkpoint(self, model: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
+        self._tierio_save(trial)
+
+    def _tierio_emergency_save(self, preempt: Preemption) -> None:
+        """The checkpoint of the agreed step, as the Trainer's own (``checkpoint-N/``, rotation,
+        ``on_save``); the process exits once it is published (rank 0) or committed (other ranks)."""
+        t: Any = self
+        step = t.state.global_step
+        preempt.begin(step)
+        published = self._tierio_save(None, reason=preempt.reason)
+        t.control = t.callback_handler.on_save(t.args, t.state, t.control)
+        preempt.finish(step, published)
+        t.control.should_training_stop = True  # exit_code=None: finish returned; train() ends here
+
+    def _tierio_save(self, trial: Any, reason: str | None = None) -> Future:
         t: Any = self
         if t.hp_search_backend is None and trial is None:
             t.store_flos()
@@ -176,8 +225,8 @@ class TierioCheckpointsMixin:
                 t.state.stateful_callbacks[name] = cb.state()
         trainer_state = json.dumps(dataclasses.asdict(t.state), indent=2, sort_keys=True) + "\n"
         epoch = int(t.state.epoch) if t.state.epoch is not None else None
-        self.tierio.save_folder(self._tierio_state(trainer_state), folder, trainer_state,
-                                lambda: self._tierio_rotate(run_dir), t.state.global_step, epoch)
+        return self.tierio.save_folder(self._tierio_state(trainer_state), folder, trainer_state,
+                                       lambda: self._tierio_rotate(run_dir), t.state.global_step, epoch, reason)
 
     def _tierio_state(self, trainer_state: str) -> dict[str, Any]:
         """What a checkpoint holds. Under DDP the replicated parts are spread: every rank writes
@@ -199,6 +248,10 @@ class TierioCheckpointsMixin:
             if scaler is not None:
                 state["scaler"] = shared(scaler.state_dict())
             state["rng"] = rng_state()
+        if getattr(self, "_tierio_steps_per_epoch", None):  # the Trainer's loop set it (see set_initial_training_values)
+            args = t.args
+            state["data_position"] = DataPosition(args.world_size, t._train_batch_size, args.gradient_accumulation_steps,
+                                                  self._tierio_steps_per_epoch, t.state.global_step).to_json()
         return state
 
     def _tierio_rotate(self, run_dir: Path) -> None:
@@ -221,7 +274,9 @@ class TierioCheckpointsMixin:
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; returns once every checkpoint is durable and promoted (the tiers'
-        leases are released then, so another run may write them)."""
+        leases are released then, so another run may write them). With ``tierio_preemption`` the
+        signal handlers are installed from the train start on (``PreemptCallback``)."""
+        self._tierio_position = None
         try:
             out = super().train(*args, **kwargs)  # type: ignore[misc]
         except BaseException:
@@ -230,6 +285,10 @@ class TierioCheckpointsMixin:
             except Exception as exc:  # noqa: BLE001 - the training error is the one to see
                 log.warning("while finishing the checkpoints after an error: %s", exc)
             raise
+        finally:
+            if self.preemption is not None:
+                self.preemption.close()  # the previous handlers are back
+                self.preemption = None
         self.tierio.close()
         return out
 
@@ -244,6 +303,7 @@ class TierioCheckpointsMixin:
         if not is_tierio_checkpoint(resume_from_checkpoint):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
         t: Any = self
+        self._tierio_check_position(resume_from_checkpoint)
         model = model if model is not None else t.model
         if self.tierio.sharded:  # after prepare: the optimizer exists, and both are filled shard by shard
             model_state, optimizer_states = sharded.state_dicts(model, [t.optimizer])
@@ -251,6 +311,30 @@ class TierioCheckpointsMixin:
             sharded.apply(model, [t.optimizer], parts.pop("model"), [parts.pop("optimizer")] if "optimizer" in parts else [])
             return None
         model.load_state_dict(self.tierio.load(resume_from_checkpoint).pop("model"))
+
+    def _tierio_check_position(self, folder: str) -> None:
+        """The resumed checkpoint's data position, refused now if this run's global batch differs."""
+        t: Any = self
+        doc = self.tierio.load(folder).get("data_position")
+        if doc is None:  # saved before positions were recorded
+            return
+        position = DataPosition.from_json(doc, folder)
+        self._tierio_position = (folder, position)
+        if not t.args.ignore_data_skip:
+            check_geometry(position, t.args.world_size, t._train_batch_size, t.args.gradient_accumulation_steps, folder)
+
+    def set_initial_training_values(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().set_initial_training_values(*args, **kwargs)  # type: ignore[misc]
+        self._tierio_steps_per_epoch = out[1]  # num_update_steps_per_epoch, recorded with every checkpoint
+        return out
+
+    def get_resumed_dataloader(self, dataloader: Any, num_batches: int) -> Any:
+        """The Trainer's mid-epoch skip, checked against the samples the checkpoint had consumed."""
+        t: Any = self
+        if self._tierio_position is not None:
+            folder, position = self._tierio_position
+            check_skip(position, num_batches, t.args.world_size, t._train_batch_size, folder)
+        return super().get_resumed_dataloader(dataloader, num_batches)  # type: ignore[misc]
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if not is_tierio_checkpoint(checkpoint):
@@ -285,8 +369,9 @@ class TierioCheckpointsMixin:
         if not is_tierio_checkpoint(best):
             return super()._load_best_model()  # type: ignore[misc]
         into = {"model": sharded.state_dicts(t.model, [])[0]} if self.tierio.sharded else None
-        state = restore(self.tierio.tiers, Pointer.read(Path(best) / POINTER_NAME), best, into=into, rank=0,
-                        world_size=1)
+        # The model only (not the optimizer): every rank reads it alone, under FSDP2 just its shards.
+        state = restore(self.tierio.tiers, Pointer.read(Path(best) / POINTER_NAME), best, per_rank="own", into=into,
+                        parts=["model"], rank=0, world_size=1)
         if self.tierio.sharded:
             sharded.apply(t.model, [], state["model"], [])
         else:

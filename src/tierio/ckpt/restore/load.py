@@ -95,11 +95,12 @@ def carry_out(plan: RestorePlan) -> Restored:
 
 
 def load_state(manifest: Manifest, rank: int, into: Any, sources: Sequence[Source], *, world_size: int | None = None,
-               per_rank: str = "strict", map_files: bool = True) -> Restored:
+               per_rank: str = "strict", map_files: bool = True, parts: Sequence[str] | None = None) -> Restored:
     """Rank ``rank``'s state of ``manifest``: its plan (``plan_restore``), carried out; the
     seconds reported count the planning too (it reads the records)."""
     t0 = time.perf_counter()
-    plan = plan_restore(manifest, rank, into, sources, world_size=world_size, per_rank=per_rank, map_files=map_files)
+    plan = plan_restore(manifest, rank, into, sources, world_size=world_size, per_rank=per_rank, map_files=map_files,
+                        parts=parts)
     planned = time.perf_counter() - t0
     got = carry_out(plan)
     got.stats.seconds += planned

@@ -204,11 +204,21 @@ class RestorePlan:
         return [t for k, t in self.tensors.items() if k not in mapped]
 
 
+def _only(tree: Any, parts: Sequence[str], label: str) -> dict[str, Any]:
+    """The top-level ``parts`` of a saved state tree (a dict), so nothing else is read."""
+    missing = [p for p in parts if not isinstance(tree, dict) or p not in tree]
+    if missing:
+        raise ConfigError(f"{label}: the saved state has no part {', '.join(map(repr, missing))}; pass parts among "
+                          f"{sorted(tree) if isinstance(tree, dict) else 'none (it is not a dict)'}")
+    return {p: tree[p] for p in parts}
+
+
 def plan_restore(manifest: Manifest, rank: int, into: Any, sources: Sequence[Source], *,
-                 world_size: int | None = None, per_rank: str = "strict", map_files: bool = True) -> RestorePlan:
+                 world_size: int | None = None, per_rank: str = "strict", map_files: bool = True,
+                 parts: Sequence[str] | None = None) -> RestorePlan:
     """The plan of rank ``rank``'s restore of ``manifest`` in a job of ``world_size`` ranks (default:
     the saved number). With ``map_files``, tensors restored into new memory that lie whole in one
-    file are to be maps of it."""
+    file are to be maps of it. ``parts``: only these top-level keys of the state are read."""
     if per_rank not in PER_RANK:
         raise ConfigError(f"per_rank={per_rank!r} must be one of {', '.join(PER_RANK)}")
     loaded = Loaded(manifest, sources)
@@ -216,6 +226,8 @@ def plan_restore(manifest: Manifest, rank: int, into: Any, sources: Sequence[Sou
     own = loaded.entry(src)
     tree = own.tree if own.tree is not None else manifest.tree
     label = where(sources[0].store, step_dir(manifest.step) + "/manifest.json")
+    if parts is not None:
+        tree = _only(tree, parts, label)
     with parsing(f"{label}: the state tree"):
         uses_globals = bool(tensor_refs(tree, ("__global__",)))
     globals_ = global_tensors(loaded.all()) if uses_globals else {}

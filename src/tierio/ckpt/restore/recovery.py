@@ -73,6 +73,7 @@ class Request:
     mapped: bool = True  # tensors restored into new memory may be maps of local shard files
     failures: list[str] = field(default_factory=list)
     node_copies: NodeCopies | None = None  # steps restorable from the nodes' tier 0 (buddy copies)
+    parts: Sequence[str] | None = None  # only these top-level keys of the state
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ def restore_step(req: Request, step: int) -> tuple[Any, str, RestoreStats]:
                             "rank's own values come from the saved rank of the same number%s", step, man.world_size,
                             req.world_size, f" (ranks {man.world_size}.. take rank 0's)" if req.world_size > man.world_size else "")
             got = load_state(man, req.rank, req.into, req.sources(ts.url), world_size=req.world_size,
-                             per_rank=req.per_rank, map_files=req.mapped)
+                             per_rank=req.per_rank, map_files=req.mapped, parts=req.parts)
             return got.state, got.read_from.get(shard_name(own_rank(man, req.rank)), ts.url), got.stats
         except RESTORE_ERRORS as exc:
             only_dangling = only_dangling and isinstance(exc, DanglingReferenceError)
@@ -159,5 +160,5 @@ def restore_from_nodes(req: Request, copies: NodeCopies, step: int) -> tuple[Any
     man = copies.manifest(step)
     sources = req.sources(None)
     got = load_state(man, req.rank, req.into, sources, world_size=req.world_size, per_rank=req.per_rank,
-                     map_files=req.mapped)
+                     map_files=req.mapped, parts=req.parts)
     return got.state, got.read_from.get(shard_name(req.rank), sources[0].store.url), got.stats
