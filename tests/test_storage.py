@@ -173,3 +173,27 @@ def test_create_exclusive_killed_mid_write_leaves_no_torn_file(tmp_path):
     assert store.create_exclusive("lease", b"run-c") is False
     store.cleanup(older_than=0.0)  # the killed writer's temp is garbage: its lock died with it
     assert [f.name for f in root.iterdir()] == ["lease"]
+
+
+def test_a_seaweed_port_taken_before_the_first_start_is_replaced(tmp_path):
+    """Another process may take a chosen port before the server binds it: the first start tries
+    again on new ports (a restart keeps its own)."""
+    import socket
+
+    from tierio.storage.seaweed import SeaweedServer
+
+    server = SeaweedServer(tmp_path / "weed")
+    taken = server.ports["s3.iceberg"]
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        try:
+            server.start()
+            assert server.ports["s3.iceberg"] != taken
+            assert b"address already in use" in (tmp_path / "weed" / "weed.log").read_bytes()
+            server.stop()
+            ports = dict(server.ports)
+            server.start()  # a restart: the same ports
+            assert server.ports == ports
+        finally:
+            server.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -24,7 +25,28 @@ ACCESS_KEY = "tierio"
 SECRET_KEY = "tierio-secret-key"
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
+    """A port free on 127.0.0.1 now, below the kernel's ephemeral range where one exists: a port from
+    that range can be handed to an outgoing connection (SeaweedFS opens dozens while it starts)
+    between this choice and the listener's bind, and the server then dies on "address in use"."""
+    low, _ = _ephemeral_range()
+    rng = random.Random()
+    for _ in range(64) if low > 11000 else ():
+        port = rng.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -49,13 +71,17 @@ class SeaweedServer:
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="tierio-seaweed-"))
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.volume_size_mb = volume_size_mb
+        self._pick_ports()
+        self._ready_once = False  # a restart keeps its ports; only a first start may pick new ones
+        self.access_key, self.secret_key = ACCESS_KEY, SECRET_KEY
+        self._proc: subprocess.Popen | None = None
+        self._log = self.data_dir / "weed.log"
+
+    def _pick_ports(self) -> None:
         self.ports = {name: free_port() for name in (
             "master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc", "s3", "s3.grpc", "s3.iceberg", "s3.lance", "debug", "metrics",
         )}
         self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
-        self.access_key, self.secret_key = ACCESS_KEY, SECRET_KEY
-        self._proc: subprocess.Popen | None = None
-        self._log = self.data_dir / "weed.log"
 
     def url(self, bucket_and_prefix: str) -> str:
         return f"s3://{bucket_and_prefix.strip('/')}?endpoint={self.endpoint}"
@@ -70,6 +96,18 @@ class SeaweedServer:
         }
 
     def start(self, timeout: float = 120.0) -> SeaweedServer:
+        """Start (or restart) the server and wait until a bucket can be written. A first start
+        whose listener lost its port to another process meanwhile tries again on new ports."""
+        for attempt in range(3):
+            try:
+                return self._start(timeout)
+            except StoreUnavailableError as exc:
+                if self._ready_once or attempt == 2 or "address already in use" not in str(exc):
+                    raise
+                self._pick_ports()
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> SeaweedServer:
         if self._proc is not None and self._proc.poll() is None:
             return self
         config = self.data_dir / "s3.json"
@@ -96,13 +134,18 @@ class SeaweedServer:
             "-master.electionTimeout=1s", "-volume.preStopSeconds=0",
         ]
         log = open(self._log, "ab")
+        logged = log.tell()
         self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise StoreUnavailableError(f"SeaweedFS exited with code {self._proc.returncode}; see {self._log}")
+                with open(self._log, "rb") as f:
+                    f.seek(logged)
+                    cause = "; address already in use" if b"address already in use" in f.read() else ""
+                raise StoreUnavailableError(f"SeaweedFS exited with code {self._proc.returncode}{cause}; see {self._log}")
             if self._ready():
+                self._ready_once = True
                 return self
             time.sleep(0.2)
         self.stop()
