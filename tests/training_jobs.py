@@ -22,6 +22,12 @@ import torch
 from torch import nn
 
 
+def say(line: str) -> None:
+    """One line on stdout in one write: the ranks share the pipe, and with PYTHONUNBUFFERED a
+    print is two writes (text, then newline) that another rank's line can come between."""
+    os.write(1, f"{line}\n".encode())
+
+
 def _kill_when(ready) -> None:
     """Wait (up to 60 s) until ``ready()``, then die the way a lost node does: no cleanup at all."""
     deadline = time.monotonic() + 60
@@ -214,7 +220,7 @@ def hf_job(root: Path, tiers: list[str] | None, max_steps: int, resume: bool | s
 
         def on_train_begin(self, args, state, control, **kw):
             if job.get("print_steps"):
-                print(f"pid {rank} {os.getpid()}", flush=True)
+                say(f"pid {rank} {os.getpid()}")
             if job.get("dump") and resume:
                 dump_full(root / f"restored-{world}.safetensors", kw["model"], kw["optimizer"], kw["lr_scheduler"])
 
@@ -222,12 +228,12 @@ def hf_job(root: Path, tiers: list[str] | None, max_steps: int, resume: bool | s
             if state.global_step == kill_at:
                 _kill_when(lambda: any((root / "out").glob("checkpoint-*/trainer_state.json")))
             if job.get("print_steps") and rank == 0:
-                print(f"step {state.global_step}", flush=True)
+                say(f"step {state.global_step}")
 
         def on_save(self, args, state, control, **kw):
             if state.global_step == job.get("sigterm_at_save") or (self.signalled and job.get("sigterm_twice")):
                 in_flight = not (root / "out" / f"checkpoint-{state.global_step}").exists()
-                print(f"rank {rank} signals itself at step {state.global_step}, in flight: {in_flight}", flush=True)
+                say(f"rank {rank} signals itself at step {state.global_step}, in flight: {in_flight}")
                 self.signalled = True
                 os.kill(os.getpid(), signal.SIGTERM)
             if job.get("dump"):
