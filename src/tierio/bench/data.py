@@ -28,6 +28,10 @@ streamed back through a local cache in batches of 64, one process, no DataLoader
                           MDSWriter writing the shards locally and uploading them (seconds) /
                           tierio's ShardWriter writing them to the bucket
 
+and a Megatron .bin/.idx read straight from S3 (``bench_s3_indexed``, in tierio.bench.data_s3):
+
+  s3_indexed_vs_local     second-epoch samples/s from S3 through the node cache / from local disk
+
 Peers are found if installed and named when missing: ``pip install litdata mosaicml-streaming``.
 With --skip-peers tierio's part of that comparison still runs (shard_bytes_overhead,
 first_epoch_disk_read_ratio, workers2_vs_workers0), without the peers.
@@ -62,6 +66,7 @@ TARGETS = {
     "first_epoch_disk_read_ratio": ("<=", 1.1),
     "workers2_vs_workers0": (">=", 1.0),
     "write_vs_mds_write_upload": (">=", 1.0),
+    "s3_indexed_vs_local": (">=", 0.9),
 }
 
 
@@ -158,7 +163,7 @@ def bench_loader(work: Path, nbytes: int, seq_len: int, batch: int, repeat: int,
     for _ in range(repeat):  # interleaved, so drift on a shared machine hits both alike
         mem.append(_memmap_loop(bpath, seq_len, batch, windows, passes))
         tio.append(_loader_loop(prefix, seq_len, batch, passes))
-    return {"bytes": bpath.stat().st_size, "windows": windows, "batch_size": batch, "workers": 2, "passes": passes,
+    return {"prefix": str(prefix), "bytes": bpath.stat().st_size, "windows": windows, "batch_size": batch, "workers": 2, "passes": passes,
             "memmap_tokens_per_s": statistics.median(mem), "loader_tokens_per_s": statistics.median(tio),
             "memmap_runs": mem, "loader_runs": tio}
 
@@ -246,12 +251,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         pack = bench_pack(args.docs, args.seq_len, args.repeat)
         loader = bench_loader(work, parse_size(args.loader_size), args.seq_len, args.batch_size, args.repeat, args.passes)
-        stream = peers = None
+        stream = peers = indexed = None
         if not args.skip_s3:
             stream = bench_stream(work, parse_size(args.stream_size), args.seq_len, parse_size(args.shard_size), args.repeat)
             from tierio.bench.data_peers import bench_peers
 
             peers = bench_peers(work, args.peer_samples, with_peers=not args.skip_peers)
+            from tierio.bench.data_s3 import bench_s3_indexed
+
+            indexed = bench_s3_indexed(work, Path(loader["prefix"]), args.seq_len, args.batch_size, args.repeat)
     finally:
         if own:
             shutil.rmtree(work, ignore_errors=True)
@@ -265,6 +273,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ratios["stream_first_epoch_vs_local"] = common.ratio(stream["first_epoch_tokens_per_s"], stream["local_tokens_per_s"])
     if peers is not None:
         ratios.update(peers["ratios"])
+    if indexed is not None:
+        ratios.update(indexed["ratios"])
     return {
         "benchmark": "data",
         "machine": common.machine_facts(),
@@ -275,4 +285,5 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "loader": loader,
         "stream": stream,
         "peers": peers,
+        "indexed_s3": indexed,
     }

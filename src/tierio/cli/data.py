@@ -25,6 +25,8 @@ examples:
                                                         every .parquet under data/, text tokenized locally
   tierio data inspect corpus                            counts, dtype, length percentiles
   tierio data inspect corpus.idx --json                 the same for scripts
+  tierio data inspect 's3://bucket/c/corpus?endpoint=http://127.0.0.1:8333'
+                                                        the same on S3 (fetches the .idx only)
   tierio data merge part1 part2 part3 all               concatenate datasets (same dtype) into `all`
   tierio data pack corpus --seq-len 4096                plan best-fit-decreasing packs -> corpus.pack4096.npz
   tierio data pack corpus --seq-len 4096 --shards s3://bucket/packed?endpoint=http://127.0.0.1:8333

@@ -28,6 +28,7 @@ from tierio.data.indexed import (
     strip_suffix,
 )
 from tierio.data.documents import DocumentBatch, load_tokenizer
+from tierio.data.remote_pair import RemoteOptions
 from tierio.io.files import os_error
 
 
@@ -280,8 +281,9 @@ def merge_indexed(inputs: list[str | Path], prefix: str | Path) -> BuildStats:
 
 
 def inspect_indexed(prefix: str | Path) -> dict[str, Any]:
-    """Counts, dtype and length distribution of a dataset (reads only the index)."""
-    ds = IndexedDataset(prefix)
+    """Counts, dtype and length distribution of a dataset (reads only the index, also of a
+    dataset on a store: its .bin is then never fetched)."""
+    ds = IndexedDataset(prefix, remote=RemoteOptions(bin_reads="ranges"))
     try:
         lens = ds.document_lengths()
         q = np.percentile(lens, [50, 90, 99]) if len(lens) else np.zeros(3)
@@ -292,8 +294,8 @@ def inspect_indexed(prefix: str | Path) -> dict[str, Any]:
             "documents": ds.num_documents,
             "tokens": ds.num_tokens,
             "multimodal": ds.sequence_modes is not None,
-            "bin_bytes": bin_path(ds.prefix).stat().st_size,
-            "idx_bytes": idx_path(ds.prefix).stat().st_size,
+            "bin_bytes": ds.num_tokens * ds.dtype.itemsize,
+            "idx_bytes": ds.index_bytes,
             "doc_len_mean": float(lens.mean()) if len(lens) else 0.0,
             "doc_len_p50": float(q[0]),
             "doc_len_p90": float(q[1]),

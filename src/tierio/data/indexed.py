@@ -33,6 +33,7 @@ from tierio.io.checksum import StreamingChecksum
 from tierio.io.files import os_error
 from tierio.io.publish import PendingFile, finish_publish, publish, recover
 from tierio.io.untrusted import parsing
+from tierio.data.remote_pair import RemoteOptions, RemotePair, is_remote, open_pair
 from tierio.data.idxformat import (  # noqa: F401  (the format's names, importable from here as before)
     DTYPE_CODES,
     HEADER_SIZE,
@@ -262,13 +263,19 @@ class IndexedDataset:
     workers re-open the mapping instead of copying it.
     """
 
-    def __init__(self, prefix: str | Path, multimodal: bool | None = None, validate: bool = True) -> None:
-        self.prefix = strip_suffix(prefix)
+    def __init__(self, prefix: str | Path, multimodal: bool | None = None, validate: bool = True, *,
+                 remote: RemoteOptions | None = None) -> None:
+        self.prefix = str(prefix) if is_remote(prefix) else strip_suffix(prefix)
         self._multimodal_arg = multimodal
         self._validate = validate
+        self._remote = remote
+        self._pair: RemotePair | None = None
         self._open()
 
     def _open(self) -> None:
+        if is_remote(self.prefix):
+            self._open_remote()
+            return
         ipath, bpath = idx_path(self.prefix), bin_path(self.prefix)
         finish_publish(ipath)  # a rebuild interrupted between its two renames: complete it first
         for p in (ipath, bpath):
@@ -279,15 +286,44 @@ class IndexedDataset:
             bfd = open_data_file(bpath, "opening data file")
             try:
                 with parsing(str(ipath)):
-                    self._map(ipath, bpath, ifd, bfd)
+                    self._map_index(str(ipath), ifd, str(bpath), os.fstat(bfd).st_size)
+                self._bin_map = self._map_bin(bfd)
             finally:
                 os.close(bfd)
         finally:
             os.close(ifd)
 
-    def _map(self, ipath: Path, bpath: Path, ifd: int, bfd: int) -> None:
-        """Check the pair from its descriptors (sizes first, nothing allocated from a count), then map it."""
-        head = parse_header(os.pread(ifd, HEADER_SIZE, 0), str(ipath))
+    def _open_remote(self) -> None:
+        """The pair on a store: the index from the node cache, the tokens mapped from it or by ranges."""
+        pair = self._pair = open_pair(self.prefix, self._remote)
+        try:
+            ifd = open_data_file(pair.idx, "opening the cached index")
+            try:
+                with parsing(f"{pair.url}.idx"):
+                    self._map_index(f"{pair.url}.idx", ifd, f"{pair.url}.bin", pair.bin_size)
+            finally:
+                os.close(ifd)
+            if pair.ranges is not None:
+                pair.ranges.dtype = self.dtype
+                self._bin_map = pair.ranges
+            else:
+                bfd = open_data_file(pair.bin_path, "opening the cached data file")
+                try:
+                    self._bin_map = self._map_bin(bfd)
+                finally:
+                    os.close(bfd)
+        except BaseException:
+            pair.release()
+            raise
+
+    def _map_bin(self, bfd: int) -> np.ndarray:
+        # mmap refuses empty files; an empty dataset gets an empty array instead
+        size = os.fstat(bfd).st_size
+        return np.frombuffer(mmap.mmap(bfd, size, access=mmap.ACCESS_READ), dtype=self.dtype) if size else np.empty(0, self.dtype)
+
+    def _map_index(self, ipath: str, ifd: int, bpath: str, bin_size: int) -> None:
+        """Check the index against the .bin's size (sizes first, nothing allocated from a count), then map it."""
+        head = parse_header(os.pread(ifd, HEADER_SIZE, 0), ipath)
         n, d = head.sequence_count, head.document_count
         idx_size = os.fstat(ifd).st_size
         body = HEADER_SIZE + n * (4 + 8) + d * 8
@@ -314,23 +350,18 @@ class IndexedDataset:
         off += 8 * d
         self.sequence_modes = np.frombuffer(buf, dtype=np.int8, count=n, offset=off) if multimodal else None
 
-        bin_size = os.fstat(bfd).st_size
         itemsize = self.dtype.itemsize
         end = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * itemsize if n else 0
         if bin_size != end:
             what = "truncated" if bin_size < end else "longer than its index says"
             raise FormatError(
-                f"{bpath}: data file is {bin_size} bytes but {ipath.name} describes {end} bytes ({what}); "
+                f"{bpath}: data file is {bin_size} bytes but {Path(ipath).name} describes {end} bytes ({what}); "
                 "the pair does not belong together or one of them is damaged"
             )
         if self._validate:
             self._check_index(ipath, itemsize)
-        # mmap refuses empty files; an empty dataset gets an empty array instead
-        self._bin_map = (
-            np.frombuffer(mmap.mmap(bfd, bin_size, access=mmap.ACCESS_READ), dtype=self.dtype) if bin_size else np.empty(0, self.dtype)
-        )
 
-    def _check_index(self, ipath: Path, itemsize: int) -> None:
+    def _check_index(self, ipath: str, itemsize: int) -> None:
         lengths, pointers, docs = self.sequence_lengths, self.sequence_pointers, self.document_indices
         n = len(lengths)
         if n and int(lengths.min()) < 0:
@@ -350,15 +381,19 @@ class IndexedDataset:
 
     # -- pickling by path (DataLoader workers re-map instead of copying) ------------------
     def __getstate__(self) -> dict:
-        return {"prefix": self.prefix, "multimodal": self._multimodal_arg, "validate": False}
+        return {"prefix": self.prefix, "multimodal": self._multimodal_arg, "validate": False, "remote": self._remote}
 
     def __setstate__(self, state: dict) -> None:
         self.prefix = state["prefix"]
         self._multimodal_arg = state["multimodal"]
         self._validate = state["validate"]
+        self._remote = state.get("remote")
+        self._pair = None
         self._open()
 
     def close(self) -> None:
+        if self._pair is not None:
+            self._pair.release()
         for name in ("_bin_map", "_idx_map"):
             m = getattr(self, name, None)
             mm = getattr(m, "base", None)
@@ -381,6 +416,10 @@ class IndexedDataset:
     @property
     def num_tokens(self) -> int:
         return len(self._bin_map)
+
+    @property
+    def index_bytes(self) -> int:
+        return len(self._idx_map)
 
     def flat_tokens(self) -> np.ndarray:
         """Every token of the dataset as one read-only 1-D view (the .bin mapping itself)."""

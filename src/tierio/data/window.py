@@ -77,7 +77,7 @@ class TokenWindowDataset:
         L = self.seq_len + 1
         tokens = self._tokens
         n = len(starts)
-        if n > 1:
+        if n > 1 and isinstance(tokens, np.ndarray):  # not a .bin read by ranges (data.remote_pair)
             step = int(starts[1] - starts[0])
             if step > 0 and bool(np.all(np.diff(starts) == step)):
                 # evenly spaced windows (sequential batches): one strided view, one converting copy
@@ -106,7 +106,7 @@ class TokenWindowDataset:
     @staticmethod
     def _plain(tokens: np.ndarray) -> np.ndarray:
         # a plain ndarray view of the mapping: slicing np.memmap builds a subclass object each time
-        return tokens.view(np.ndarray)
+        return tokens.view(np.ndarray) if isinstance(tokens, np.ndarray) else tokens
 
 
 def window_batch(t) -> dict[str, Any]:
