@@ -7,6 +7,7 @@ import os
 import subprocess
 
 import numpy as np
+import torch
 import pytest
 
 from tierio.data.cache import ShardCache, release_fd
@@ -292,3 +293,27 @@ def test_worker_streams_interleave_to_the_rank_order_from_any_position(module_ur
                 if k < len(s):
                     merged += s[k]
         assert merged == order[start:]
+
+
+def _as_dicts(batch):
+    """A user's own collate_fn: it sees each sample as a dict of plain arrays."""
+    assert all(isinstance(s["x"], np.ndarray) for s in batch)
+    return {"x": torch.as_tensor(np.stack([s["x"] for s in batch]))}
+
+
+def test_a_plain_dataloader_with_workers_gets_every_sample_once_as_tensors(local_url, tmp_path):
+    """In a plain DataLoader's workers the batches travel as bytes (tierio.data.wire), not through
+    a descriptor per batch; the loop gets the same tensors as without workers."""
+    from torch.utils.data import DataLoader
+
+    ds = StreamingDataset(local_url, tmp_path / "cache", shuffle=False)
+    alone = list(DataLoader(ds, batch_size=16, num_workers=0))
+    with_workers = list(DataLoader(ds, batch_size=16, num_workers=2))
+    for b in with_workers:
+        assert isinstance(b["x"], torch.Tensor) and b["x"].dtype == alone[0]["x"].dtype == torch.int64
+        assert isinstance(b["pad"], torch.Tensor) and b["pad"].shape[1:] == (16,)
+        assert not b["x"].is_shared()  # its bytes came through the pipe, not as a shared segment
+    ids = sorted(int(i) for b in with_workers for i in b["x"][:, 0])
+    assert ids == sorted(int(i) for b in alone for i in b["x"][:, 0]) == list(range(N))
+    own = list(DataLoader(ds, batch_size=16, num_workers=2, collate_fn=_as_dicts))
+    assert sorted(int(i) for b in own for i in b["x"][:, 0]) == list(range(N))

@@ -24,6 +24,8 @@ streamed back through a local cache in batches of 64, one process, no DataLoader
                           reader and by the S3 server, /proc/PID/io read_bytes, with the
                           bucket's files dropped from the page cache first) / raw sample bytes
   workers2_vs_workers0    tierio's first epoch with 2 DataLoader workers / with none
+  plain_dataloader_workers2_vs_workers0
+                          the same through a plain ``DataLoader(ds, batch_size=64, num_workers=k)``
   write_vs_mds_write_upload
                           MDSWriter writing the shards locally and uploading them (seconds) /
                           tierio's ShardWriter writing them to the bucket
@@ -66,6 +68,7 @@ TARGETS = {
     "first_epoch_disk_read_ratio": ("<=", 1.1),
     "workers2_vs_workers0": (">=", 1.0),
     "write_vs_mds_write_upload": (">=", 1.0),
+    "plain_dataloader_workers2_vs_workers0": (">=", 1.0),
     "s3_indexed_vs_local": (">=", 0.9),
 }
 

@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -134,9 +135,9 @@ def _epoch(batches: Iterable[Any], rows: Callable[[Any], int]) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def _epochs(loader: Any, rows: Callable[[Any], int], server: ServerRef, measure_disk: bool) -> tuple[float, float, int | None]:
+def _epochs(loader: Any, rows: Callable[[Any], int], server: ServerRef | None, measure_disk: bool) -> tuple[float, float, int | None]:
     """(first, second epoch samples/s, bytes read from the disk during the first)."""
-    pids = [os.getpid(), *_tree(server.pid)] if measure_disk else []
+    pids = [os.getpid(), *_tree(server.pid)] if measure_disk and server is not None else []
     if measure_disk:
         common.drop_caches([server.data_dir])
     before = _read_bytes(pids)
@@ -187,7 +188,27 @@ def run_tierio(server: ServerRef, data: np.ndarray, work: Path, workers: tuple[i
         out.append(Streamed("tierio", write_s, _bytes_under(store, "tierio"), first, cached, disk, k))
         del loader, ds
         shutil.rmtree(cache, ignore_errors=True)
-    return out
+    return out + _plain_dataloader(url, data, work, write_s, _bytes_under(store, "tierio"))
+
+
+def _plain_dataloader(url: str, data: np.ndarray, work: Path, write_s: float, stored: int) -> list[Streamed]:
+    """The same dataset in a plain ``DataLoader(ds, batch_size=64, num_workers=k)``, as a user drops
+    it into the loader their code already has: k = 0 and 2 in alternating order, two rounds each."""
+    from torch.utils.data import DataLoader
+
+    from tierio.data.streaming import StreamingDataset
+
+    runs: dict[int, list[tuple[float, float]]] = {0: [], 2: []}
+    for k in (0, 2, 2, 0):
+        cache = work / f"tierio-plain-cache-{k}"
+        loader = DataLoader(StreamingDataset(url, cache, 4 * data.nbytes + (1 << 30), seed=0), batch_size=BATCH,
+                            num_workers=k)
+        first, cached, _ = _epochs(loader, _batch_rows, None, measure_disk=False)
+        runs[k].append((first, cached))
+        del loader
+        shutil.rmtree(cache, ignore_errors=True)
+    return [Streamed("tierio-plain", write_s, stored, statistics.median(f for f, _ in r),
+                     statistics.median(c for _, c in r), None, k) for k, r in runs.items()]
 
 
 def run_mosaic(streaming: types.ModuleType, server: ServerRef, data: np.ndarray, work: Path) -> Streamed:
@@ -290,6 +311,9 @@ def bench_peers(work: Path, n: int, with_peers: bool = True) -> dict[str, Any]:
     }
     if tio2 is not None:
         ratios["workers2_vs_workers0"] = common.ratio(tio2.first_epoch, tio.first_epoch)
+    plain0, plain2 = by.get(("tierio-plain", 0)), by.get(("tierio-plain", 2))
+    if plain0 is not None and plain2 is not None:
+        ratios["plain_dataloader_workers2_vs_workers0"] = common.ratio(plain2.first_epoch, plain0.first_epoch)
     if ("litdata", 0) in by:
         lit = by[("litdata", 0)]
         ratios["stream_vs_litdata_first_epoch"] = common.ratio(tio.first_epoch, lit.first_epoch)

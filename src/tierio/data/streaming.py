@@ -38,6 +38,7 @@ from tierio.data.reader import ReaderBudget, ReaderOptions, ShardReader
 from tierio.data.ring import FieldRing, RingBatch
 from tierio.data.options import StreamingOptions
 from tierio.data.shards import ShardManifest, load_manifest
+from tierio.data.wire import rows_in_worker
 from tierio.data.workers import current_worker
 from tierio.dist import rank_world
 from tierio.errors import ConfigError, FormatError
@@ -301,8 +302,13 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
             yield self._reader.take(shards, local, self.copy)
 
     def __iter__(self) -> Iterator[Any]:
+        from torch.utils.data import get_worker_info
+
+        plain_worker = get_worker_info() is not None and self.transform is None  # see tierio.data.wire
         for at, shards, local in self._my_batches():
             batch = self._reader.take(shards, local, self.copy)
+            if plain_worker:
+                batch = rows_in_worker(batch)
             for i in range(len(local)):
                 self._cur_pos = at + i + 1
                 sample = {k: v[i] for k, v in batch.items()}
