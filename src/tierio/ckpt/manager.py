@@ -54,7 +54,7 @@ from tierio.ckpt.steps.commit import Waiting
 from tierio.ckpt.steps.lease import LeaseTiming
 from tierio.ckpt.steps.reader import VerifyReport, steps_on, verify_tiers
 from tierio.ckpt.steps.tier_leases import TierLeases
-from tierio.ckpt.tier import Tier, TierState, as_tier, open_tier_store
+from tierio.ckpt.tier import Tier, TierState, as_tier
 
 __all__ = ["CheckpointManager", "SaveHandle"]
 
@@ -84,7 +84,7 @@ class CheckpointManager:
         limiter = TokenBucket(rate, burst=max(1 << 20, rate / 4)) if rate else None
         specs = [as_tier(t) for t in tiers]
         check_tiers(specs)
-        self._tiers = [TierState(t, open_tier_store(t, limiter if i > 0 else None)) for i, t in enumerate(specs)]
+        self._tiers = [TierState.open(t, limiter if i > 0 else None) for i, t in enumerate(specs)]
         self.rank, self.world_size = rank_world(rank, world_size, process_group)
         from_group = rank is None or world_size is None
         job = agree_job(opts.run_id, self.rank, self.world_size, process_group, from_group, opts.node,

@@ -10,6 +10,7 @@ from tierio.diag.lustre_stats import ClientStats
 from tierio.diag.rules import ALERT, OK, WARN, Finding, skipped
 from tierio.io.lustre import STRIPE_SIZE_BYTES, StripeLayout, TargetUsage
 from tierio.plan.quantities import fmt_bytes
+from tierio.units import human_bytes
 
 OST_FULL_ALERT = 0.90        # used fraction of one OST: writes striped onto it fail first
 OST_SPREAD_WARN = 0.20       # fullest OST minus emptiest, in used fraction
@@ -52,10 +53,10 @@ def rule_stripe_size(path: str, layouts: list[StripeLayout]) -> Finding:
     if small:
         x = small[0]
         return Finding(check, path, WARN,
-                       f"directory {x.path} gives new files {fmt_bytes(x.stripe_size)} stripes: a 64 MiB shard write "
+                       f"directory {x.path} gives new files {human_bytes(x.stripe_size)} stripes: a 64 MiB shard write "
                        f"is {64 * (1 << 20) // x.stripe_size} OST pieces instead of 16",
                        f"lfs setstripe -c -1 -S 4m {x.path}   (new files; lfs migrate -S 4m rewrites old ones)", data)
-    return Finding(check, path, OK, f"stripe size {fmt_bytes(dirs[0].stripe_size)} (≥ 4 MiB)", data=data)
+    return Finding(check, path, OK, f"stripe size {human_bytes(dirs[0].stripe_size)} (≥ 4 MiB)", data=data)
 
 
 def rule_ost_balance(path: str, targets: list[TargetUsage]) -> Finding:
@@ -114,7 +115,7 @@ def rule_client_reads(stats: list[ClientStats]) -> Finding:
     s = max(llite, key=lambda x: x.counters["read_bytes"].samples)
     c = s.counters["read_bytes"]
     data = {"mount": s.name, "reads": c.samples, "bytes": c.total, "mean_bytes": c.mean}
-    detail = f"{s.name}: {c.samples:,} reads, mean {fmt_bytes(c.mean)}"
+    detail = f"{s.name}: {c.samples:,} reads, mean {human_bytes(c.mean)}"
     if c.samples >= MIN_READS and c.mean < SMALL_READ_BYTES:
         return Finding(check, target, WARN, detail + ": small reads pay an RPC round trip each",
                        "Read in large blocks: pack samples into shards read sequentially, and keep many reads in "

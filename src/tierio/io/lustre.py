@@ -109,7 +109,7 @@ class StripeOptions(Options):
     ``runner`` runs `lfs`; a recorded cluster's outputs can stand in for it."""
 
     count: int = ALL_OSTS
-    size_bytes: int = STRIPE_SIZE_BYTES
+    size_bytes: int | str = STRIPE_SIZE_BYTES
     runner: CommandRunner = run_tool
 
 
