@@ -18,6 +18,7 @@ from tierio.diag.lustre_stats import LCTL_ARGV, parse_lctl_stats
 from tierio.diag.mount_rules import rule_mount_options
 from tierio.diag.parse import diskstats_delta, is_whole_disk, parse_diskstats, parse_iostat
 from tierio.diag.rules import Finding
+from tierio.diag.topology import record_topology, rule_topology, topology_from_dicts, topology_to_dicts
 from tierio.diag.system import DISKSTATS, FileScan, block_device, find_mount, read_text, scan_files, space
 from tierio.io.lustre import parse_getstripe, parse_lfs_df
 from tierio.io.tools import CommandRunner, run_tool
@@ -68,6 +69,7 @@ class Recorded:
     timers: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     lctl_text: str | None = None             # `lctl get_param llite.*.stats osc.*.stats`
     lctl_reason: str = ""
+    topology: list[dict[str, Any]] | None = None   # GPUs, NVMe drives, NICs: PCIe path and NUMA node
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "tierio.doctor.recording", "version": 1, **asdict(self)}
@@ -87,10 +89,13 @@ class Recorded:
                     p["files"] = FileScan(**f)
                 paths.append(PathFacts(**p))
             fields = {k: doc[k] for k in ("diskstats_before", "diskstats_after", "sample_seconds", "iostat_text",
-                                          "iostat_reason", "disk_reason", "lctl_text", "lctl_reason") if k in doc}
+                                          "iostat_reason", "disk_reason", "lctl_text", "lctl_reason", "topology")
+                      if k in doc}
             timers = [(str(n), d) for n, d in doc.get("timers", [])]
+            if fields.get("topology") is not None:
+                fields["topology"] = topology_to_dicts(topology_from_dicts(fields["topology"]))  # checked here
             return cls(paths=paths, timers=timers, **fields)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
             raise FormatError(f"{source}: malformed doctor recording ({exc})") from None
 
 
@@ -108,6 +113,8 @@ def diagnose(rec: Recorded) -> list[Finding]:
         out += [lustre_rules.rule_client_reads(stats), lustre_rules.rule_ost_load(stats)]
     elif rec.lctl_reason:
         out.append(rules.skipped("lustre client", "lustre client", rec.lctl_reason))
+    if rec.topology is not None:
+        out.extend(rule_topology(topology_from_dicts(rec.topology), {p.device for p in rec.paths if p.device}))
     for name, doc in rec.timers:
         out.extend(rules.timer_findings(name, doc))
     return out
@@ -209,6 +216,8 @@ def record(paths: list[str], timer_files: list[str] | None = None, sample_second
         rec.disk_reason = "disk sampling turned off (--sample 0)"
     for path in paths:
         rec.paths.append(record_path(path, probe=probe, scan=scan, runner=runner))
+    if paths:  # a timers-only run judges the loop, not the node
+        rec.topology = topology_to_dicts(record_topology())
     if any(p.fs_type == "lustre" for p in rec.paths):
         run = runner(LCTL_ARGV)
         rec.lctl_text, rec.lctl_reason = run.output, run.reason
