@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tierio.diag import lustre_rules, rules
+from tierio.diag.gdscheck import GdsFacts, record_gds, rule_gds
 from tierio.diag.lustre_stats import LCTL_ARGV, parse_lctl_stats
 from tierio.diag.mount_rules import rule_mount_options
 from tierio.diag.parse import diskstats_delta, is_whole_disk, parse_diskstats, parse_iostat
@@ -70,6 +71,7 @@ class Recorded:
     lctl_text: str | None = None             # `lctl get_param llite.*.stats osc.*.stats`
     lctl_reason: str = ""
     topology: list[dict[str, Any]] | None = None   # GPUs, NVMe drives, NICs: PCIe path and NUMA node
+    gds: dict[str, Any] | None = None               # GdsFacts: driver, nvidia-fs, cuFile settings, kvikio
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "tierio.doctor.recording", "version": 1, **asdict(self)}
@@ -89,11 +91,13 @@ class Recorded:
                     p["files"] = FileScan(**f)
                 paths.append(PathFacts(**p))
             fields = {k: doc[k] for k in ("diskstats_before", "diskstats_after", "sample_seconds", "iostat_text",
-                                          "iostat_reason", "disk_reason", "lctl_text", "lctl_reason", "topology")
+                                          "iostat_reason", "disk_reason", "lctl_text", "lctl_reason", "topology", "gds")
                       if k in doc}
             timers = [(str(n), d) for n, d in doc.get("timers", [])]
             if fields.get("topology") is not None:
                 fields["topology"] = topology_to_dicts(topology_from_dicts(fields["topology"]))  # checked here
+            if fields.get("gds") is not None:
+                fields["gds"] = GdsFacts(**fields["gds"]).to_dict()
             return cls(paths=paths, timers=timers, **fields)
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
             raise FormatError(f"{source}: malformed doctor recording ({exc})") from None
@@ -115,6 +119,8 @@ def diagnose(rec: Recorded) -> list[Finding]:
         out.append(rules.skipped("lustre client", "lustre client", rec.lctl_reason))
     if rec.topology is not None:
         out.extend(rule_topology(topology_from_dicts(rec.topology), {p.device for p in rec.paths if p.device}))
+    if rec.gds is not None:
+        out.append(rule_gds(GdsFacts(**rec.gds), [(p.path, p.fs_type, p.mount_options) for p in rec.paths]))
     for name, doc in rec.timers:
         out.extend(rules.timer_findings(name, doc))
     return out
@@ -218,6 +224,7 @@ def record(paths: list[str], timer_files: list[str] | None = None, sample_second
         rec.paths.append(record_path(path, probe=probe, scan=scan, runner=runner))
     if paths:  # a timers-only run judges the loop, not the node
         rec.topology = topology_to_dicts(record_topology())
+        rec.gds = record_gds().to_dict()
     if any(p.fs_type == "lustre" for p in rec.paths):
         run = runner(LCTL_ARGV)
         rec.lctl_text, rec.lctl_reason = run.output, run.reason
