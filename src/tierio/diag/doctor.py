@@ -15,6 +15,7 @@ from typing import Any
 
 from tierio.diag import lustre_rules, rules
 from tierio.diag.gdscheck import GdsFacts, record_gds, rule_gds
+from tierio.diag.live import live_findings, scrape
 from tierio.diag.lustre_stats import LCTL_ARGV, parse_lctl_stats
 from tierio.diag.mount_rules import rule_mount_options
 from tierio.diag.parse import diskstats_delta, is_whole_disk, parse_diskstats, parse_iostat
@@ -72,6 +73,9 @@ class Recorded:
     lctl_reason: str = ""
     topology: list[dict[str, Any]] | None = None   # GPUs, NVMe drives, NICs: PCIe path and NUMA node
     gds: dict[str, Any] | None = None               # GdsFacts: driver, nvidia-fs, cuFile settings, kvikio
+    prometheus_url: str | None = None               # a running job's metrics endpoint, and what it answered
+    prometheus_text: str | None = None
+    prometheus_reason: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "tierio.doctor.recording", "version": 1, **asdict(self)}
@@ -91,7 +95,8 @@ class Recorded:
                     p["files"] = FileScan(**f)
                 paths.append(PathFacts(**p))
             fields = {k: doc[k] for k in ("diskstats_before", "diskstats_after", "sample_seconds", "iostat_text",
-                                          "iostat_reason", "disk_reason", "lctl_text", "lctl_reason", "topology", "gds")
+                                          "iostat_reason", "disk_reason", "lctl_text", "lctl_reason", "topology", "gds",
+                                          "prometheus_url", "prometheus_text", "prometheus_reason")
                       if k in doc}
             timers = [(str(n), d) for n, d in doc.get("timers", [])]
             if fields.get("topology") is not None:
@@ -123,6 +128,10 @@ def diagnose(rec: Recorded) -> list[Finding]:
         out.append(rule_gds(GdsFacts(**rec.gds), [(p.path, p.fs_type, p.mount_options) for p in rec.paths]))
     for name, doc in rec.timers:
         out.extend(rules.timer_findings(name, doc))
+    if rec.prometheus_text is not None:
+        out.extend(live_findings(rec.prometheus_text, rec.prometheus_url or "metrics"))
+    elif rec.prometheus_reason:
+        out.append(rules.skipped("live metrics", rec.prometheus_url or "metrics", rec.prometheus_reason))
     return out
 
 
@@ -196,15 +205,19 @@ def load_timer_file(path: str) -> tuple[str, dict[str, Any]]:
 
 
 def record(paths: list[str], timer_files: list[str] | None = None, sample_seconds: float = 3.0, probe: bool = True,
-           scan: bool = True, use_iostat: bool = False, runner: CommandRunner = run_tool) -> Recorded:
+           scan: bool = True, use_iostat: bool = False, runner: CommandRunner = run_tool,
+           prometheus_url: str | None = None) -> Recorded:
     """Observe this node. The disk sample runs first so the doctor's own probes do not load the disks.
 
-    ``runner`` runs `lfs` and `lctl` (a recorded cluster's outputs can stand in for them)."""
+    ``runner`` runs `lfs` and `lctl` (a recorded cluster's outputs can stand in for them);
+    ``prometheus_url``: a running job's metrics endpoint, scraped once."""
     missing = [p for p in paths if not os.path.exists(p)]
     if missing:
         raise NotFoundError(f"{missing[0]} does not exist: give directories that hold checkpoints, datasets or weights")
     timers = [load_timer_file(t) for t in timer_files or []]
-    rec = Recorded(timers=timers)
+    rec = Recorded(timers=timers, prometheus_url=prometheus_url)
+    if prometheus_url:
+        rec.prometheus_text, rec.prometheus_reason = scrape(prometheus_url)
     if use_iostat:
         run = run_tool(["iostat", "-dx", "1", str(max(2, int(round(sample_seconds)) + 1))],
                        timeout=sample_seconds + 30)

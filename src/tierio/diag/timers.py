@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from tierio import events
 from tierio.errors import ConfigError
 
 FLAG_RATIO = 3.0  # P99/mean data wait above this points at storage variance
@@ -142,6 +143,9 @@ class WaitTimer:
         compute = max(0.0, total - self._wait_acc - self._stall_acc)
         rec = StepRecord(len(self.steps), self._rel(self._step_start), total, self._wait_acc, compute, self._stall_acc)
         self.steps.append(rec)
+        if rec.index > 0:  # live step-time metrics (tierio.metrics), warm-up step left out as in summary()
+            events.emit(events.StepTimed(self.name or self.kind.rsplit(".", 1)[-1], total, rec.data_wait,
+                                         rec.checkpoint_stall))
         self._step_start, self._wait_acc, self._stall_acc = t, 0.0, 0.0
         return rec
 
