@@ -138,3 +138,18 @@ def test_old_recordings_still_replay_and_this_node_has_no_false_alarm(tmp_path):
     live = record([str(tmp_path)], sample_seconds=0, probe=False, scan=False)            # this machine: no Lustre
     bad = [f for f in diagnose(live) if f.verdict in (WARN, ALERT)]
     assert not bad, bad
+
+
+def test_replay_the_shipped_lustre_node_recording():
+    """tests/data/doctor/lustre_node.json, the worked example of docs/diagnose.md."""
+    from tierio.diag.doctor import load_recording
+
+    f = _by_check(diagnose(load_recording(str(DATA / "lustre_node.json"))))
+    assert f[("lustre stripe width", "/lustre/checkpoints")].verdict == WARN            # 4 of 8 OSTs
+    assert f[("lustre stripe size", "/lustre/datasets")].verdict == WARN                # 1 MiB
+    assert f[("OST free space", "/lustre/checkpoints")].verdict == ALERT
+    assert f[("lustre inodes", "/lustre/checkpoints")].verdict == ALERT
+    assert f[("mount options", "/shared/datasets/web")].verdict == WARN
+    assert f[("PCIe/NUMA topology", "GPU 0000:83:00.0")].verdict == WARN
+    assert f[("GPUDirect Storage", "node")].verdict == WARN
+    assert f[("OST load", "lustre client")].verdict == ALERT
