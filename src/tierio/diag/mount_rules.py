@@ -52,7 +52,7 @@ def rule_mount_options(path: str, fs_type: str | None, options: str | None, sour
     Lustre over LNet TCP → warn; a local NVMe filesystem without noatime → warn."""
     check = "mount options"
     if options is None or not fs_type:
-        return skipped(check, path, "mount options not recorded (no /proc/self/mountinfo)")
+        return skipped(check, path, "mount options not recorded (an older recording, or no /proc/self/mountinfo)")
     opts = mount_options(options)
     fs = fs_type.lower()
     data = {"fs_type": fs_type, "options": options, "source": source}
