@@ -136,6 +136,9 @@ class DataWaitVariance:
             return WaitSummary(0, 0.0, 0.0, 0.0)
         return WaitSummary(len(values), sum(values) / len(values), percentile(values, 50), percentile(values, 99))
 
+    def ratio(self, s: WaitSummary) -> float:
+        return s.p99_over_mean
+
     def high(self, s: WaitSummary) -> bool:
         return s.p99_over_mean > self.options.wait_ratio and s.p99 >= self.options.wait_min_p99
 
@@ -173,6 +176,9 @@ class StepVariance(DataWaitVariance):
     """Per timer: step-time P99/P50 over the recent steps: above 3× it is almost always storage contention."""
 
     name = STEP_TIME_VARIANCE
+
+    def ratio(self, s: WaitSummary) -> float:
+        return s.p99_over_p50
 
     def high(self, s: WaitSummary) -> bool:
         return s.p99_over_p50 > self.options.step_ratio

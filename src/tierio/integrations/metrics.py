@@ -312,25 +312,22 @@ class Exporter:
     def _on_wait(self, ev: events.DataWait) -> None:
         s = self._series
         s.wait.labels(ev.loader).observe(ev.seconds)
-        with self._lock:
-            summary, change = self._waits.observe(ev.loader, ev.seconds)
-        if summary is not None:
-            s.wait_p50.labels(ev.loader).set(summary.p50)
-            s.wait_p99.labels(ev.loader).set(summary.p99)
-            s.wait_ratio.labels(ev.loader).set(summary.p99_over_mean)
-        self._report(change)
+        self._window(self._waits, ev.loader, ev.seconds, (s.wait_p50, s.wait_p99, s.wait_ratio))
 
     def _on_step(self, ev: events.StepTimed) -> None:
         s = self._series
         s.step.labels(ev.timer).observe(ev.seconds)
         s.step_wait.labels(ev.timer).inc(ev.data_wait)
         s.step_stall.labels(ev.timer).inc(ev.checkpoint_stall)
+        self._window(self._steps, ev.timer, ev.seconds, (s.step_p50, s.step_p99, s.step_ratio))
+
+    def _window(self, watch: DataWaitVariance, key: str, seconds: float, gauges: tuple[Any, Any, Any]) -> None:
+        """Feed a sliding-window alert; when it summarizes, set its P50, P99 and ratio gauges."""
         with self._lock:
-            summary, change = self._steps.observe(ev.timer, ev.seconds)
+            summary, change = watch.observe(key, seconds)
         if summary is not None:
-            s.step_p50.labels(ev.timer).set(summary.p50)
-            s.step_p99.labels(ev.timer).set(summary.p99)
-            s.step_ratio.labels(ev.timer).set(summary.p99_over_p50)
+            for gauge, value in zip(gauges, (summary.p50, summary.p99, watch.ratio(summary))):
+                gauge.labels(key).set(value)
         self._report(change)
 
     def _on_kv(self, ev: events.KvGet) -> None:
