@@ -49,3 +49,21 @@ def test_checkpoint_staging_reports_its_numa_node(tmp_path):
         assert mgr.stats()["staging_numa"] == {"requested": 0, "node": 0, "reason": ""}
     with CheckpointManager([tmp_path / "t1"]) as mgr:
         assert mgr.stats()["staging_numa"]["node"] is None
+
+
+def test_weight_staging_ring_on_a_numa_node(tmp_path):
+    from safetensors.torch import save_file
+
+    from tierio.io.buffers import shared_pool
+    from tierio.weights import load_into
+
+    w = torch.arange(1 << 16, dtype=torch.float32)
+    save_file({"w": w}, str(tmp_path / "model.safetensors"))
+    target = {"w": torch.zeros_like(w)}
+    res = load_into(target, tmp_path / "model.safetensors", numa_node=0)
+    assert torch.equal(target["w"], w)
+    assert res.stats.extra["staging_numa"] == {"requested": 0, "node": 0, "reason": ""}
+    ring = shared_pool("weights-staging", 0, numa_node=0)                 # the ring that load used
+    assert ring.numa_node == 0 and ring.allocations >= 1
+    plain = load_into({"w": torch.zeros_like(w)}, tmp_path / "model.safetensors")
+    assert "staging_numa" not in plain.stats.extra

@@ -209,13 +209,14 @@ _shared: dict[str, BufferPool] = {}
 _shared_lock = threading.Lock()
 
 
-def shared_pool(name: str, budget_bytes: int) -> BufferPool:
+def shared_pool(name: str, budget_bytes: int, numa_node: int | None = None) -> BufferPool:
     """The process-wide pool ``name`` (made on first use with ``budget_bytes``), so its buffers are
-    faulted in once per process whatever uses them."""
+    faulted in once per process whatever uses them; one per NUMA node asked for."""
+    key = name if numa_node is None else f"{name}@node{numa_node}"
     with _shared_lock:
-        pool = _shared.get(name)
+        pool = _shared.get(key)
         if pool is None:
-            pool = _shared[name] = BufferPool(budget_bytes=budget_bytes)
+            pool = _shared[key] = BufferPool(budget_bytes=budget_bytes, numa_node=numa_node)
         return pool
 
 
