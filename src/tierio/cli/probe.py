@@ -49,12 +49,21 @@ def _gds(args) -> int:
         mount = find_mount(path)
         paths.append((path, mount.fs_type if mount else None, mount.options if mount else None))
     finding = rule_gds(record_gds(), paths)
+    measured = None
+    if args.target and finding.verdict != "skipped":  # a GPU is here: read the same file both ways
+        from tierio.diag.probe import probe_gds
+
+        measured = probe_gds(paths[0][0], parse_size(args.size or "256MiB"))
     if args.json:
-        print_json(asdict(finding))
-    else:
-        print(f"GPUDirect Storage: {styled(finding.verdict, 'bold')}: {finding.detail}")
-        if finding.fix:
-            print(f"fix: {finding.fix}")
+        print_json({**asdict(finding), "measured": measured.to_dict() if measured else None})
+        return 0
+    print(f"GPUDirect Storage: {styled(finding.verdict, 'bold')}: {finding.detail}")
+    if finding.fix:
+        print(f"fix: {finding.fix}")
+    if measured is not None:
+        by = {r.mode: r.bytes_per_s for r in measured.results}
+        print(f"read {human_bytes(measured.results[0].bytes)}: GDS {fmt_rate(by['gds'])}, bounce {fmt_rate(by['bounce'])} "
+              f"({by['gds'] / by['bounce']:.2f}x)")
     return 0
 
 
