@@ -233,6 +233,35 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
+class StepClock:
+    """Step time for the live metrics only, in constant memory: what the framework integrations run
+    on every step of a whole training run (a StepTimer keeps every step for its table and JSON).
+
+    ``step_done()`` closes a step and reports it as an ``events.StepTimed`` (the first, warm-up step
+    is left out, as in StepTimer); time inside ``with clock.stall():`` is that step's checkpoint stall."""
+
+    def __init__(self, name: str, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.name, self._clock = name, clock
+        self._start = clock()
+        self._stall = 0.0
+        self.steps = 0
+
+    def step_done(self) -> None:
+        now = self._clock()
+        if self.steps > 0:
+            events.emit(events.StepTimed(self.name, now - self._start, 0.0, self._stall))
+        self.steps += 1
+        self._start, self._stall = now, 0.0
+
+    @contextlib.contextmanager
+    def stall(self) -> Iterator[None]:
+        t0 = self._clock()
+        try:
+            yield
+        finally:
+            self._stall += self._clock() - t0
+
+
 class _CheckpointScope:
     """What ``with timer.checkpoint() as ck`` gives: set ``ck.handle`` to the save's handle."""
 
