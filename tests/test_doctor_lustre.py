@@ -95,9 +95,11 @@ def test_mount_options():
         assert phrase in nfs.detail
     assert "nconnect=16" in nfs.fix
     assert judge("mountinfo_tuned.txt", "/shared/datasets/web").verdict == OK
-    lustre_tcp = judge("mountinfo_untuned.txt", "/lustre/ckpt")
-    assert lustre_tcp.verdict == WARN and "LNet over tcp" in lustre_tcp.detail and "o2ib" in lustre_tcp.fix
-    assert judge("mountinfo_tuned.txt", "/lustre/ckpt").verdict == OK
+    tcp_only = rule_mount_options("/d", "nfs4", "rw,nconnect=16,rsize=1048576,wsize=1048576,proto=tcp")
+    assert tcp_only.verdict == OK and "proto=tcp (proto=rdma" in tcp_only.detail   # TCP alone is said, not judged
+    lustre_tcp = judge("mountinfo_untuned.txt", "/lustre/ckpt")                    # 200 GbE is within the advice
+    assert lustre_tcp.verdict == OK and "LNet over tcp (sockets; o2ib" in lustre_tcp.detail
+    assert judge("mountinfo_tuned.txt", "/lustre/ckpt").detail == "LNet over o2ib"
     nvme = judge("mountinfo_untuned.txt", "/mnt/nvme/cache", "nvme1n1")
     assert nvme.verdict == WARN and "noatime" in nvme.fix
     assert judge("mountinfo_tuned.txt", "/mnt/nvme/cache", "nvme1n1").verdict == OK
