@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from tierio.ckpt.steps.retention import Retention
 
 
 SCOPES = ("shared", "node")
+log = logging.getLogger("tierio.ckpt")
 
 
 @dataclass
@@ -64,7 +66,10 @@ def stripe_tier(tier: Tier, store: Store) -> StripeApplied | None:
     opts = stripe_options(tier.stripe)
     if opts is None or not isinstance(store, LocalStore):
         return None
-    return apply_stripe(str(store.root), opts)
+    done = apply_stripe(str(store.root), opts)
+    if done.lustre:  # elsewhere there is nothing to say
+        log.info("%s", done.line())
+    return done
 
 
 @dataclass
