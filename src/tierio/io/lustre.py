@@ -11,9 +11,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from tierio.errors import ConfigError
+from tierio.io.tools import CommandRunner, run_tool
 from tierio.options import Options
 from tierio.stats import Stats
-from tierio.io.tools import CommandRunner, run_tool
 from tierio.units import MiB, human_bytes
 
 STRIPE_SIZE_BYTES = 4 * MiB   # the stripe size advised for checkpoint and dataset directories
@@ -121,8 +122,6 @@ def stripe_options(stripe: str | StripeOptions | None) -> StripeOptions | None:
         return StripeOptions()
     if isinstance(stripe, StripeOptions):
         return stripe
-    from tierio.errors import ConfigError
-
     raise ConfigError(f"stripe={stripe!r}: give \"auto\" (stripe Lustre directories over every OST, 4 MiB), "
                       "\"off\", or a StripeOptions")
 
@@ -157,34 +156,33 @@ def apply_stripe(directory: str, options: StripeOptions | None = None) -> Stripe
     operator's wider choice wins). Never raises: a failure is the report's reason.
     """
     opts = options or StripeOptions()
-    run = opts.runner
+    run, size = opts.runner, int(opts.size_bytes)
     got = run(["lfs", "getstripe", "-d", directory])
-    if got.output is None:
-        return StripeApplied(directory, reason=f"not on Lustre ({got.reason})")
+    df = run(["lfs", "df", directory]) if got.output is not None else got
+    if got.output is None or df.output is None:  # either refuses a directory that is not on Lustre
+        return StripeApplied(directory, reason=f"not on Lustre ({df.reason or got.reason})")
     current = next(iter(parse_getstripe(got.output, directory)), None)
-    df = run(["lfs", "df", directory])
-    osts = sum(t.kind == "OST" for t in parse_lfs_df(df.output or "")) or None
+    osts = sum(t.kind == "OST" for t in parse_lfs_df(df.output)) or None
     report = StripeApplied(directory, lustre=True, osts=osts)
-    if current is not None and _wide_enough(current, opts, osts):
+    if current is not None and _wide_enough(current, opts.count, size, osts):
         report.count, report.size_bytes = current.stripe_count, current.stripe_size
         report.reason = (f"already striped over {_count_text(current.stripe_count, osts)} "
                          f"at {human_bytes(current.stripe_size or 0)}")
         return report
-    argv = ["lfs", "setstripe", "-c", str(opts.count), "-S", _size_arg(opts.size_bytes), directory]
+    argv = ["lfs", "setstripe", "-c", str(opts.count), "-S", _size_arg(size), directory]
     done = run(argv)
     report.command = " ".join(argv)
     if done.output is None:
         report.reason = done.reason
         return report
-    report.applied, report.count, report.size_bytes = True, opts.count, opts.size_bytes
+    report.applied, report.count, report.size_bytes = True, opts.count, size
     return report
 
 
-def _wide_enough(layout: StripeLayout, opts: StripeOptions, osts: int | None) -> bool:
-    count = layout.stripe_count
-    want = osts if opts.count == ALL_OSTS else opts.count
-    wide = count == ALL_OSTS or (want is not None and count >= want)
-    return wide and (layout.stripe_size or 0) >= opts.size_bytes
+def _wide_enough(layout: StripeLayout, count: int, size: int, osts: int | None) -> bool:
+    want = osts if count == ALL_OSTS else count
+    wide = layout.stripe_count == ALL_OSTS or (want is not None and layout.stripe_count >= want)
+    return wide and (layout.stripe_size or 0) >= size
 
 
 def _count_text(count: int, osts: int | None) -> str:
