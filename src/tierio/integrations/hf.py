@@ -400,4 +400,4 @@ class TierioTrainer(TierioCheckpointsMixin, Trainer):
     """``transformers.Trainer`` whose checkpoints go through tierio (see the module's docs)."""
 
 
-__all__ = ["TierioCheckpointsMixin", "TierioTrainer", "TrainerCheckpoints", "is_tierio_checkpoint"]
+__all__ = ["StepTimeCallback", "TierioCheckpointsMixin", "TierioTrainer", "TrainerCheckpoints", "is_tierio_checkpoint"]
