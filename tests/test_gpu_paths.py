@@ -178,3 +178,15 @@ def test_loaders_with_pin_memory_device_give_pinned_batches_of_the_same_bytes(tm
             assert a.keys() == b.keys(), name
             for k in a:
                 assert b[k].is_pinned() and torch.equal(a[k], b[k]), (name, k)
+
+
+def test_probe_gds_reads_the_same_file_both_ways(tmp_path):
+    from tierio.diag.probe import probe_gds
+
+    report = probe_gds(tmp_path, 64 << 20)
+    if not gds.available():
+        assert report is None
+        return
+    assert [(r.mode, r.op) for r in report.results] == [("gds", "read"), ("bounce", "read")]
+    assert all(r.bytes == 64 << 20 and r.seconds > 0 for r in report.results)
+    assert not list(tmp_path.glob(".tierio-gds-*"))

@@ -72,7 +72,12 @@ def test_a_plain_trainer_checkpoint_still_loads(tmp_path: Path) -> None:
                              use_cpu=True, seed=7, disable_tqdm=True)
     Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenData(), callbacks=[StopAt3()]).train()
     assert (root / "out" / "checkpoint-3" / "model.safetensors").exists()
-    resumed = hf_job(root, [str(root / "t0")], max_steps=6, resume=True, save_total_limit=None)
+    from tierio import events
+
+    timed: list = []
+    with events.subscribe(lambda ev: timed.append(ev) if isinstance(ev, events.StepTimed) else None):
+        resumed = hf_job(root, [str(root / "t0")], max_steps=6, resume=True, save_total_limit=None)
+    assert [e.timer for e in timed] == ["trainer", "trainer"]              # steps 5 and 6; step 4 warms up
     reference = hf_job(tmp_path / "ref", None, max_steps=6)
     assert all(torch.equal(resumed[k], reference[k]) for k in reference)
     assert Pointer.read(root / "out" / "checkpoint-6" / "tierio.json").global_step == 6

@@ -21,7 +21,7 @@ from training_jobs import lightning_job  # noqa: E402
 from tierio.ckpt import list_checkpoints  # noqa: E402
 from tierio.errors import ConfigError, FormatError, NotFoundError, UnstorableError  # noqa: E402
 from tierio.integrations.checkpoints import Pointer  # noqa: E402
-from tierio.integrations.lightning import TierioCheckpointIO, TierioPreemption  # noqa: E402
+from tierio.integrations.lightning import TierioCheckpointIO, TierioPreemption, TierioStepTime  # noqa: E402
 
 JOBS = Path(__file__).with_name("training_jobs.py")
 
@@ -159,3 +159,17 @@ def test_strategies_that_bypass_or_split_the_plugin_are_refused_naming_the_fix(t
         TierioCheckpointIO([str(tmp_path)]).save_checkpoint({}, tmp_path / "x.ckpt", storage_options={"compress": 1})
     with pytest.raises(ConfigError, match="per_rank='mine'"):
         TierioCheckpointIO([str(tmp_path)], per_rank="mine")
+
+
+def test_step_time_reaches_tierio_metrics(tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from tierio import events
+
+    timed: list = []
+    with events.subscribe(lambda ev: timed.append(ev) if isinstance(ev, events.StepTimed) else None):
+        pl.Trainer(max_epochs=1, limit_train_batches=5, limit_val_batches=0, callbacks=[TierioStepTime()], logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                   default_root_dir=tmp_path).fit(BoringModel())
+    assert [e.timer for e in timed] == ["lightning"] * 4 and all(e.seconds > 0 for e in timed)   # batch 0 warms up

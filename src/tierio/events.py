@@ -92,6 +92,16 @@ class CopyUnusable:
 
 # -- data, caches, weights, KV ----------------------------------------------------------------------
 @dataclass(frozen=True)
+class StepTimed:
+    """A WaitTimer/StepTimer named ``timer`` closed one training step (the first, warm-up, is not reported)."""
+
+    timer: str
+    seconds: float
+    data_wait: float
+    checkpoint_stall: float
+
+
+@dataclass(frozen=True)
 class DataWait:
     """The training loop waited ``seconds`` for one batch of ``loader``."""
 
@@ -135,7 +145,7 @@ class KvGet:
 
 Event = Union[
     CheckpointStaged, CheckpointPersisted, TierWritten, CheckpointPromoted, PromotionFailed, CheckpointRestored,
-    CopyUnusable, DataWait, CacheLookup, CacheEviction, WeightsLoaded, KvGet,
+    CopyUnusable, StepTimed, DataWait, CacheLookup, CacheEviction, WeightsLoaded, KvGet,
 ]
 Observer = Callable[[Event], None]
 
@@ -201,5 +211,5 @@ def timed(batches: Iterable[T], loader: str = "loader") -> Iterator[T]:
 __all__ = [
     "CacheEviction", "CacheLookup", "CheckpointPersisted", "CheckpointPromoted", "CheckpointRestored",
     "CheckpointStaged", "CopyUnusable", "DataWait", "Event", "KvGet", "Observer", "PromotionFailed",
-    "Subscription", "TierWritten", "WeightsLoaded", "emit", "subscribe", "timed",
+    "StepTimed", "Subscription", "TierWritten", "WeightsLoaded", "emit", "subscribe", "timed",
 ]

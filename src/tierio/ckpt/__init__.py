@@ -19,14 +19,14 @@ _WHERE = {
     **dict.fromkeys(["AllOf", "AnyOf", "KeepAll", "KeepEvery", "KeepLast", "KeepWithin", "Retention", "gc_plan",
                      "parse_retention"], "tierio.ckpt.steps.retention"),
     "rng_state": "tierio.ckpt.rng", "set_rng_state": "tierio.ckpt.rng",
-    "Tier": "tierio.ckpt.tier",
+    "Tier": "tierio.ckpt.tier", "StripeOptions": "tierio.io.lustre",
     "Preemption": "tierio.ckpt.preempt", "PreemptOptions": "tierio.ckpt.preempt",
     "spread": "tierio.ckpt.replicated",
     "TensorSlice": "tierio.format.slices",
 }
 
 __all__ = [
-    "CheckpointManager", "CheckpointOptions", "SaveHandle", "Tier", "TensorSlice", "delete_step",
+    "CheckpointManager", "CheckpointOptions", "SaveHandle", "Tier", "StripeOptions", "TensorSlice", "delete_step",
     "Retention", "KeepLast", "KeepEvery", "KeepWithin", "KeepAll", "AnyOf", "AllOf", "parse_retention", "gc_plan",
     "VerifyReport", "Problem", "CheckpointInfo",
     "list_checkpoints", "inspect", "verify", "promote", "gc", "unlock",
@@ -61,4 +61,5 @@ if TYPE_CHECKING:
         AllOf, AnyOf, KeepAll, KeepEvery, KeepLast, KeepWithin, Retention, gc_plan, parse_retention,
     )
     from tierio.ckpt.tier import Tier
+    from tierio.io.lustre import StripeOptions
     from tierio.format.slices import TensorSlice

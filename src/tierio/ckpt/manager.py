@@ -54,7 +54,7 @@ from tierio.ckpt.steps.commit import Waiting
 from tierio.ckpt.steps.lease import LeaseTiming
 from tierio.ckpt.steps.reader import VerifyReport, steps_on, verify_tiers
 from tierio.ckpt.steps.tier_leases import TierLeases
-from tierio.ckpt.tier import Tier, TierState, as_tier, open_tier_store
+from tierio.ckpt.tier import Tier, TierState, as_tier
 
 __all__ = ["CheckpointManager", "SaveHandle"]
 
@@ -84,7 +84,7 @@ class CheckpointManager:
         limiter = TokenBucket(rate, burst=max(1 << 20, rate / 4)) if rate else None
         specs = [as_tier(t) for t in tiers]
         check_tiers(specs)
-        self._tiers = [TierState(t, open_tier_store(t, limiter if i > 0 else None)) for i, t in enumerate(specs)]
+        self._tiers = [TierState.open(t, limiter if i > 0 else None) for i, t in enumerate(specs)]
         self.rank, self.world_size = rank_world(rank, world_size, process_group)
         from_group = rank is None or world_size is None
         job = agree_job(opts.run_id, self.rank, self.world_size, process_group, from_group, opts.node,
@@ -104,7 +104,8 @@ class CheckpointManager:
         self._promoter = Promoter(self._tiers, self._cluster, self._book, opts.min_keep)
         self._persister = Persister(self._tiers, self._cluster, self._book, memory_budget=opts.memory_budget_bytes,
                                     slots=2 if opts.double_buffer else 1, overlap=opts.overlap,
-                                    incremental=opts.incremental, buddy=self._buddy, persisted=self._promoter.persisted)
+                                    incremental=opts.incremental, buddy=self._buddy, persisted=self._promoter.persisted,
+                                    numa_node=opts.numa_node)
 
     def _setup_buddy(self, promote_rate: float | None) -> Buddy:
         """Buddy copies (``promotion.buddy``): the pairing and the buddy group, made here, in the caller's thread."""
@@ -354,7 +355,8 @@ class CheckpointManager:
         staging = self._persister.staging
         return {"rank": self.rank, "world_size": self.world_size, "node": self.node, "run_id": self.run_id,
                 "leases": self._leases.status(), "staging_bytes": staging.allocated_bytes,
-                "staging_allocations": staging.allocations, "tiers": [t.to_dict() for t in self._tiers],
+                "staging_allocations": staging.allocations, "staging_numa": self._persister.numa.to_dict(),
+                "tiers": [t.to_dict() for t in self._tiers],
                 "saves": self._book.saves(), "pending_promotions": self._book.pending(), "restore": self._last_restore}
 
     def _check_open(self) -> None:

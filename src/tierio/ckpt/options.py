@@ -36,7 +36,9 @@ class CheckpointOptions(Options):
     ``buddy_bandwidth``: limit on what each rank sends to its buddy (bytes/s or text; default the
     ``promote_bandwidth``, 0: no limit);
     ``incremental``: a save writes only the tensors that changed since the last step this manager
-    committed, the manifest refers to the earlier shards for the others (``ckpt.saving.incremental``)."""
+    committed, the manifest refers to the earlier shards for the others (``ckpt.saving.incremental``);
+    ``numa_node``: place the staging buffers on this NUMA node (``"auto"``: the current GPU's), by
+    allocating and first-touching them from its CPUs (``io.numa``); ``stats()["staging_numa"]`` says where."""
 
     memory_budget_bytes: int | str | None = None
     double_buffer: bool = False
@@ -54,6 +56,7 @@ class CheckpointOptions(Options):
     buddy: bool = False
     buddy_bandwidth: float | str | None = None
     incremental: bool = False
+    numa_node: int | str | None = None
 
     LABEL: ClassVar[str] = "CheckpointManager"
     ALIASES: ClassVar[dict[str, str]] = {"memory_budget": "memory_budget_bytes",

@@ -143,6 +143,10 @@ def _build(args) -> int:
         st = build_inputs(args.inputs, args.output, vocab_size=args.vocab_size, parquet=parquet,
                           progress=_ParquetProgress(t0, advance), key=args.key, tokenizer=args.tokenizer, text_key=args.text_key,
                           append_eos=args.append_eos).to_dict()
+    stripe = st.pop("stripe")
+    if stripe is not None and (args.json or stripe["lustre"]):  # what was done to the Lustre layout, in one line
+        st["stripe"] = stripe if args.json else (f"applied: {stripe['command']}" if stripe["applied"]
+                                                 else f"left as is: {stripe['reason']}")
     seconds = time.perf_counter() - t0
     st["seconds"] = round(seconds, 3)
     st["tokens_per_s"] = round(st["tokens"] / seconds) if seconds > 0 else None

@@ -13,10 +13,13 @@ examples:
   tierio doctor /data --json | jq '.findings[] | select(.verdict != "ok")'
   tierio doctor /lustre/ckpt --save node17.json       record on the slow node ...
   tierio doctor --replay node17.json                  ... and judge it anywhere
+  tierio doctor --prometheus http://node17:9400/metrics   judge a running job from its metrics
 
-checks: filesystem type, free space (alert at 80% used), Lustre stripe count, O_DIRECT, read_ahead_kb,
-QD1 vs QD32 read bandwidth, small files, device %util and await; from timer JSON: data-wait P99/mean > 3x,
-data wait > 3% of step time, step P99/P50 > 3x, checkpoint stall > 1% of step time.
+checks: filesystem type, free space (alert at 80% used), mount options (NFS nconnect/rsize/actimeo/RDMA,
+LNet, noatime), Lustre stripe count, width against the OSTs and size, OST free-space balance, MDT inodes,
+client read size and OST load, O_DIRECT, read_ahead_kb, QD1 vs QD32 read bandwidth, small files, device
+%util and await, GPU/NVMe/NIC PCIe and NUMA placement, GPUDirect Storage; from timer JSON or a job's
+metrics: data-wait P99/mean > 3x, data wait > 3% of step time, step P99/P50 > 3x, checkpoint stall > 1%.
 Exit status: 0 without alerts, 3 when any check alerts. Walk-through: docs/diagnose.md.
 """
 
@@ -39,6 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-scan", action="store_true", help="skip counting files under each path")
     p.add_argument("--save", metavar="FILE", help="also save what was observed, to judge it elsewhere with --replay")
     p.add_argument("--replay", metavar="FILE", help="judge a recording saved with --save instead of this node")
+    p.add_argument("--prometheus", metavar="URL", help="also judge a running job from its metrics endpoint "
+                   "(tierio.metrics.serve(), e.g. http://node17:9400/metrics)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(handler=run)
 
@@ -58,9 +63,9 @@ def run(args: argparse.Namespace) -> int:
         rec.timers.extend(load_timer_file(t) for t in args.timers)
     else:
         sample = 0.0 if str(args.sample).strip() in ("0", "0s") else parse_duration(args.sample, "--sample")
-        paths = args.paths or ([] if args.timers else ["."])
+        paths = args.paths or ([] if args.timers or args.prometheus else ["."])
         rec = record(paths, args.timers, sample_seconds=sample, probe=not args.no_probe, scan=not args.no_scan,
-                     use_iostat=args.iostat)
+                     use_iostat=args.iostat, prometheus_url=args.prometheus)
     if args.save:
         tmp = f"{args.save}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:

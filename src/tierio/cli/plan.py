@@ -39,6 +39,9 @@ examples:
   tierio plan --preset llama3-70b --only kv,weights --context 32768 --kv-budget 75GB
   tierio probe /mnt/nvme --json > probe.json && tierio plan --measured probe.json --only write,weights
   tierio plan --json | jq .bandwidth.lustre
+  tierio plan --gpus 24 --fs auto --only fs          the chapter's filesystem rule, with the reason
+  tierio plan --idle-fraction 12% --only idle,roi    what idle GPUs cost, and what the fixes return
+  tierio plan --preset 405b --gpus 2048 --recovery-target 5min --only recovery,nvme
 
 Every figure, its formula and its units: docs/sizing.md.
 Sizes and rates are decimal (GB = 1e9 B) unless written with GiB; counts take K, M, B, T (70B = 70e9).
@@ -119,6 +122,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--micro-batch", default="32", help="sequences per micro-batch (default 32)")
     g.add_argument("--seq-len", default="4096", help="sequence length (default 4096)")
     g.add_argument("--loader-token-bytes", default="2", help="bytes per token in a batch (default 2)")
+    g = p.add_argument_group("operator questions")
+    g.add_argument("--fs", default="auto", help="shared filesystem: auto (the chapter's rule by GPU count), "
+                   "nfs, lustre, weka, gpfs (default auto)")
+    g.add_argument("--idle-fraction", default="15%", help="measured share of GPU time idle on storage (default 15%%)")
+    g.add_argument("--recovery-target", default="10min", help="longest acceptable restore (default 10min)")
+    g.add_argument("--object-bw", default="5GB/s", help="aggregate GET throughput of the object store (default 5GB/s)")
+    g.add_argument("--dataset-cache", default="2TB", help="dataset cache per node on NVMe (default 2TB)")
+    g.add_argument("--nvme-keep", default="3", help="checkpoints kept on node-local NVMe (default 3)")
+    g.add_argument("--kv-spill", help="NVMe per node for KV spill (default: --nvme-capacity)")
+    g.add_argument("--nvme-per-node", default="30.72TB", help="NVMe a node has (default 30.72TB: 8 × 3.84 TB)")
+    g.add_argument("--padding-before", default="90.2%", help="padding share of tokens unpacked (default 90.2%%)")
+    g.add_argument("--padding-after", default="2%", help="padding share once packed (default 2%%)")
+    g.add_argument("--wait-share", default="15%", help="data-wait share of step time measured (default 15%%)")
+    g.add_argument("--wait-share-after", default="0%", help="data-wait share after the DataLoader fix (default 0%%)")
+    g.add_argument("--restarts-per-day", default="100", help="serving restarts per node per day (default 100)")
+    g.add_argument("--serve-nodes", default="50", help="serving nodes (default 50)")
+    g.add_argument("--restart-from", default="nfs", help="load path restarts use now (default nfs)")
+    g.add_argument("--restart-to", default="gds", help="load path after the fix (default gds)")
     a("--only", help=LazyHelp(lambda: f"comma-separated sections: {_sections_list()} (default all)"))
     a("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(handler=run)
@@ -195,6 +216,25 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         mtbf_s=opt(args.mtbf, parse_duration, "--mtbf"),
         gpu_mtbf_s=parse_duration(args.gpu_mtbf, "--gpu-mtbf"),
         restart_s=parse_duration(args.restart_time, "--restart-time", allow_zero=True),
+        **_operator_inputs(args, opt),
+    )
+
+
+def _operator_inputs(args: argparse.Namespace, opt) -> dict:
+    """The operator questions' flags (plan.operator) as PlanInputs fields."""
+    frac = lambda flag: parse_fraction(getattr(args, flag.strip("-").replace("-", "_")), flag)  # noqa: E731
+    return dict(
+        fs=args.fs, idle_fraction=frac("--idle-fraction"),
+        recovery_target_s=parse_duration(args.recovery_target, "--recovery-target"),
+        object_bw=parse_rate(args.object_bw, "--object-bw"),
+        dataset_cache=parse_bytes(args.dataset_cache, "--dataset-cache", allow_zero=True),
+        nvme_keep=_int(args.nvme_keep, "--nvme-keep"), kv_spill=opt(args.kv_spill, parse_bytes, "--kv-spill"),
+        nvme_per_node=parse_bytes(args.nvme_per_node, "--nvme-per-node"),
+        padding_before=frac("--padding-before"), padding_after=frac("--padding-after"),
+        wait_share=frac("--wait-share"), wait_share_after=frac("--wait-share-after"),
+        restarts_per_day=parse_count(args.restarts_per_day, "--restarts-per-day", allow_zero=True),
+        serve_nodes=_int(args.serve_nodes, "--serve-nodes"), restart_from=args.restart_from,
+        restart_to=args.restart_to,
     )
 
 

@@ -30,6 +30,7 @@ from tierio.data.indexed import (
 from tierio.data.documents import DocumentBatch, load_tokenizer
 from tierio.data.remote_pair import RemoteOptions
 from tierio.io.files import os_error
+from tierio.io.lustre import StripeApplied, StripeOptions, apply_stripe, stripe_options
 
 
 @dataclass
@@ -42,6 +43,7 @@ class BuildStats:
     max_token_id: int
     bin_bytes: int
     idx_bytes: int
+    stripe: StripeApplied | None = None   # the layout given to the dataset's directory (Lustre), if any
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -192,10 +194,14 @@ def _parquet_inputs(paths: Sequence[str | Path]) -> bool:
 
 
 def build_inputs(paths: Sequence[str | Path], prefix: str | Path, *, vocab_size: int | None = None, parquet: Any = None,
-                 progress: Any = None, **options: Any) -> BuildStats:
+                 progress: Any = None, stripe: str | StripeOptions | None = "auto", **options: Any) -> BuildStats:
     """Build ``prefix`` from input files (what `tierio data build` runs). For Parquet token-id lists
     whose column statistics give the largest id, the token dtype is sized from them up front: one
-    pass over the tokens instead of writing int32 and narrowing afterwards."""
+    pass over the tokens instead of writing int32 and narrowing afterwards.
+
+    ``stripe="auto"``: the dataset's directory, on Lustre, is striped over every OST at 4 MiB first
+    (the stats say what was applied); ``"off"`` leaves its layout alone."""
+    applied = stripe_dataset_dir(prefix, stripe)
     dtype, declared = None, None
     if vocab_size is None and parquet is not None and _parquet_inputs(paths):
         from tierio.data.parquet import declared_max
@@ -205,7 +211,18 @@ def build_inputs(paths: Sequence[str | Path], prefix: str | Path, *, vocab_size:
             eos = parquet.append_eos if parquet.append_eos is not None else -1
             dtype = optimal_dtype(max(declared, eos) + 1)
     docs = iter_inputs(paths, parquet=parquet, progress=progress, declared=declared, **options)
-    return build_indexed(docs, prefix, vocab_size=vocab_size, dtype=dtype)
+    built = build_indexed(docs, prefix, vocab_size=vocab_size, dtype=dtype)
+    built.stripe = applied
+    return built
+
+
+def stripe_dataset_dir(prefix: str | Path, stripe: str | StripeOptions | None) -> StripeApplied | None:
+    """Stripe the directory ``prefix.bin`` will be written in, before it is (a layout is fixed at create)."""
+    opts = stripe_options(stripe)
+    directory = Path(prefix).absolute().parent
+    if opts is None or not directory.is_dir():
+        return None
+    return apply_stripe(str(directory), opts)
 
 
 # -- building -------------------------------------------------------------------------------

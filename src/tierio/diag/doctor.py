@@ -13,10 +13,17 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tierio.diag import rules
-from tierio.diag.parse import diskstats_delta, is_whole_disk, parse_diskstats, parse_getstripe, parse_iostat
+from tierio.diag import lustre_rules, rules
+from tierio.diag.gdscheck import GdsFacts, record_gds, rule_gds
+from tierio.diag.live import live_findings, scrape
+from tierio.diag.lustre_stats import LCTL_ARGV, parse_lctl_stats
+from tierio.diag.mount_rules import rule_mount_options
+from tierio.diag.parse import diskstats_delta, is_whole_disk, parse_diskstats, parse_iostat
 from tierio.diag.rules import Finding
-from tierio.diag.system import DISKSTATS, FileScan, block_device, find_mount, read_text, run_tool, scan_files, space
+from tierio.diag.topology import record_topology, rule_topology, topology_from_dicts, topology_to_dicts
+from tierio.diag.system import DISKSTATS, FileScan, block_device, find_mount, read_text, scan_files, space
+from tierio.io.lustre import parse_getstripe, parse_lfs_df
+from tierio.io.tools import CommandRunner, run_tool
 from tierio.errors import FormatError, NotFoundError
 from tierio.io.untrusted import read_json_file
 
@@ -43,6 +50,11 @@ class PathFacts:
     stripe_text: str | None = None
     stripe_reason: str = ""
     file_sizes: dict[str, int] = field(default_factory=dict)
+    mount_options: str | None = None
+    mount_source: str = ""
+    lfs_df_text: str | None = None          # `lfs df PATH`: OST and MDT space
+    lfs_df_inodes_text: str | None = None   # `lfs df -i PATH`: inodes and objects
+    lfs_df_reason: str = ""
 
 
 @dataclass
@@ -57,7 +69,13 @@ class Recorded:
     iostat_reason: str = ""    # why `iostat` was asked for but not used
     disk_reason: str = ""
     timers: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
-
+    lctl_text: str | None = None             # `lctl get_param llite.*.stats osc.*.stats`
+    lctl_reason: str = ""
+    topology: list[dict[str, Any]] | None = None   # GPUs, NVMe drives, NICs: PCIe path and NUMA node
+    gds: dict[str, Any] | None = None               # GdsFacts: driver, nvidia-fs, cuFile settings, kvikio
+    prometheus_url: str | None = None               # a running job's metrics endpoint, and what it answered
+    prometheus_text: str | None = None
+    prometheus_reason: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "tierio.doctor.recording", "version": 1, **asdict(self)}
@@ -77,38 +95,80 @@ class Recorded:
                     p["files"] = FileScan(**f)
                 paths.append(PathFacts(**p))
             fields = {k: doc[k] for k in ("diskstats_before", "diskstats_after", "sample_seconds", "iostat_text",
-                                          "iostat_reason", "disk_reason") if k in doc}
+                                          "iostat_reason", "disk_reason", "lctl_text", "lctl_reason", "topology", "gds",
+                                          "prometheus_url", "prometheus_text", "prometheus_reason")
+                      if k in doc}
             timers = [(str(n), d) for n, d in doc.get("timers", [])]
+            if fields.get("topology") is not None:
+                fields["topology"] = topology_to_dicts(topology_from_dicts(fields["topology"]))  # checked here
+            if fields.get("gds") is not None:
+                fields["gds"] = GdsFacts(**fields["gds"]).to_dict()
             return cls(paths=paths, timers=timers, **fields)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
             raise FormatError(f"{source}: malformed doctor recording ({exc})") from None
 
 
 def diagnose(rec: Recorded) -> list[Finding]:
-    """Judge a recording: per path, then the devices under those paths, then timer files."""
+    """Judge a recording: per path, then the devices under those paths, then the Lustre client, then timer files."""
     out: list[Finding] = []
     for p in rec.paths:
-        out.append(rules.rule_fs_type(p.path, p.fs_type))
-        out.append(rules.rule_free_space(p.path, p.total_bytes, p.avail_bytes))
-        if p.stripe_text is not None:
-            out.append(rules.rule_lustre_stripe(p.path, parse_getstripe(p.stripe_text, p.path), p.file_sizes))
-        else:
-            reason = p.stripe_reason or (f"not a Lustre filesystem ({p.fs_type})" if p.fs_type else "not Lustre")
-            out.append(rules.rule_lustre_stripe(p.path, None, reason=reason))
-        out.append(rules.rule_odirect(p.path, p.odirect, p.odirect_reason))
-        out.append(rules.rule_read_ahead(p.path, p.device, p.read_ahead_kb))
-        out.append(rules.rule_queue_depth(p.path, p.qd1_bps, p.qd32_bps, p.qd_block, p.qd_reason))
-        if p.files is not None:
-            out.append(rules.rule_small_files(p.path, p.files.files, p.files.small, p.files.total_bytes,
-                                              p.files.truncated))
-        else:
-            out.append(rules.rule_small_files(p.path, None, reason=p.files_reason))
+        out.extend(path_findings(p))
     if rec.iostat_reason:
         out.append(rules.skipped("iostat", "block devices", rec.iostat_reason +
                                  ("; sampled /proc/diskstats instead" if rec.diskstats_after else "")))
     out.extend(device_findings(rec))
+    if rec.lctl_text is not None:
+        stats = parse_lctl_stats(rec.lctl_text)
+        out += [lustre_rules.rule_client_reads(stats), lustre_rules.rule_ost_load(stats)]
+    elif rec.lctl_reason:
+        out.append(rules.skipped("lustre client", "lustre client", rec.lctl_reason))
+    if rec.topology is not None:
+        out.extend(rule_topology(topology_from_dicts(rec.topology), {p.device for p in rec.paths if p.device}))
+    if rec.gds is not None:
+        out.append(rule_gds(GdsFacts(**rec.gds), [(p.path, p.fs_type, p.mount_options) for p in rec.paths]))
     for name, doc in rec.timers:
         out.extend(rules.timer_findings(name, doc))
+    if rec.prometheus_text is not None:
+        out.extend(live_findings(rec.prometheus_text, rec.prometheus_url or "metrics"))
+    elif rec.prometheus_reason:
+        out.append(rules.skipped("live metrics", rec.prometheus_url or "metrics", rec.prometheus_reason))
+    return out
+
+
+def path_findings(p: PathFacts) -> list[Finding]:
+    out = [rules.rule_fs_type(p.path, p.fs_type), rules.rule_free_space(p.path, p.total_bytes, p.avail_bytes),
+           rule_mount_options(p.path, p.fs_type, p.mount_options, p.mount_source, p.device)]
+    if p.stripe_text is not None:
+        out.append(rules.rule_lustre_stripe(p.path, parse_getstripe(p.stripe_text, p.path), p.file_sizes))
+    else:
+        reason = p.stripe_reason or (f"not a Lustre filesystem ({p.fs_type})" if p.fs_type else "not Lustre")
+        out.append(rules.rule_lustre_stripe(p.path, None, reason=reason))
+    if p.fs_type == "lustre":
+        out.extend(lustre_path_findings(p))
+    out.append(rules.rule_odirect(p.path, p.odirect, p.odirect_reason))
+    out.append(rules.rule_read_ahead(p.path, p.device, p.read_ahead_kb))
+    out.append(rules.rule_queue_depth(p.path, p.qd1_bps, p.qd32_bps, p.qd_block, p.qd_reason))
+    if p.files is not None:
+        out.append(rules.rule_small_files(p.path, p.files.files, p.files.small, p.files.total_bytes,
+                                          p.files.truncated))
+    else:
+        out.append(rules.rule_small_files(p.path, None, reason=p.files_reason))
+    return out
+
+
+def lustre_path_findings(p: PathFacts) -> list[Finding]:
+    """Stripe width and size against the OSTs, free space over the OSTs, inodes (a Lustre path only)."""
+    layouts = parse_getstripe(p.stripe_text, p.path) if p.stripe_text else []
+    targets = parse_lfs_df(p.lfs_df_text) if p.lfs_df_text else None
+    osts = sum(t.kind == "OST" for t in targets or []) or None
+    out = [lustre_rules.rule_stripe_width(p.path, layouts, osts) if layouts
+           else rules.skipped("lustre stripe width", p.path, p.stripe_reason or "no layout recorded"),
+           lustre_rules.rule_stripe_size(p.path, layouts)]
+    reason = p.lfs_df_reason or "lfs df not recorded"
+    out.append(lustre_rules.rule_ost_balance(p.path, targets) if targets is not None
+               else rules.skipped("OST free space", p.path, reason))
+    out.append(lustre_rules.rule_lustre_inodes(p.path, parse_lfs_df(p.lfs_df_inodes_text, inodes=True))
+               if p.lfs_df_inodes_text is not None else rules.skipped("lustre inodes", p.path, reason))
     return out
 
 
@@ -145,13 +205,19 @@ def load_timer_file(path: str) -> tuple[str, dict[str, Any]]:
 
 
 def record(paths: list[str], timer_files: list[str] | None = None, sample_seconds: float = 3.0, probe: bool = True,
-           scan: bool = True, use_iostat: bool = False) -> Recorded:
-    """Observe this node. The disk sample runs first so the doctor's own probes do not load the disks."""
+           scan: bool = True, use_iostat: bool = False, runner: CommandRunner = run_tool,
+           prometheus_url: str | None = None) -> Recorded:
+    """Observe this node. The disk sample runs first so the doctor's own probes do not load the disks.
+
+    ``runner`` runs `lfs` and `lctl` (a recorded cluster's outputs can stand in for them);
+    ``prometheus_url``: a running job's metrics endpoint, scraped once."""
     missing = [p for p in paths if not os.path.exists(p)]
     if missing:
         raise NotFoundError(f"{missing[0]} does not exist: give directories that hold checkpoints, datasets or weights")
     timers = [load_timer_file(t) for t in timer_files or []]
-    rec = Recorded(timers=timers)
+    rec = Recorded(timers=timers, prometheus_url=prometheus_url)
+    if prometheus_url:
+        rec.prometheus_text, rec.prometheus_reason = scrape(prometheus_url)
     if use_iostat:
         run = run_tool(["iostat", "-dx", "1", str(max(2, int(round(sample_seconds)) + 1))],
                        timeout=sample_seconds + 30)
@@ -168,11 +234,33 @@ def record(paths: list[str], timer_files: list[str] | None = None, sample_second
     elif rec.iostat_text is None:
         rec.disk_reason = "disk sampling turned off (--sample 0)"
     for path in paths:
-        rec.paths.append(record_path(path, probe=probe, scan=scan))
+        rec.paths.append(record_path(path, probe=probe, scan=scan, runner=runner))
+    if paths:  # a timers-only run judges the loop, not the node
+        rec.topology = topology_to_dicts(record_topology())
+        rec.gds = record_gds().to_dict()
+    if any(p.fs_type == "lustre" for p in rec.paths):
+        run = runner(LCTL_ARGV)
+        rec.lctl_text, rec.lctl_reason = run.output, run.reason
     return rec
 
 
-def record_path(path: str, probe: bool = True, scan: bool = True) -> PathFacts:
+def record_lustre(facts: PathFacts, runner: CommandRunner = run_tool) -> None:
+    """The path's layout (and its largest files'), and the OSTs' and MDTs' space and inodes."""
+    path = facts.path
+    is_dir = os.path.isdir(path)
+    run = runner(["lfs", "getstripe", "-d", path] if is_dir else ["lfs", "getstripe", path])
+    facts.stripe_text, facts.stripe_reason = run.output, run.reason
+    big = [p for s, p in (facts.files.largest if facts.files else []) if s >= rules.LARGE_FILE_BYTES]
+    if run.output is not None and big and is_dir:
+        more = runner(["lfs", "getstripe", *big])
+        if more.output:
+            facts.stripe_text = f"{path}\n{run.output}\n{more.output}"
+    df, df_i = runner(["lfs", "df", path]), runner(["lfs", "df", "-i", path])
+    facts.lfs_df_text, facts.lfs_df_inodes_text = df.output, df_i.output
+    facts.lfs_df_reason = df.reason or df_i.reason
+
+
+def record_path(path: str, probe: bool = True, scan: bool = True, runner: CommandRunner = run_tool) -> PathFacts:
     from tierio.diag.odirect import odirect_supported, queue_depth_probe
 
     path = os.path.abspath(path)
@@ -180,6 +268,7 @@ def record_path(path: str, probe: bool = True, scan: bool = True) -> PathFacts:
     mount = find_mount(path)
     if mount is not None:
         facts.fs_type, facts.mount_point = mount.fs_type, mount.mount_point
+        facts.mount_options, facts.mount_source = mount.options, mount.source
     sp = space(path)
     if sp is not None:
         facts.total_bytes, facts.avail_bytes = sp
@@ -192,13 +281,7 @@ def record_path(path: str, probe: bool = True, scan: bool = True) -> PathFacts:
     else:
         facts.files_reason = "file scan turned off (--no-scan)"
     if facts.fs_type == "lustre":
-        run = run_tool(["lfs", "getstripe", "-d", path] if os.path.isdir(path) else ["lfs", "getstripe", path])
-        facts.stripe_text, facts.stripe_reason = run.output, run.reason
-        big = [p for s, p in (facts.files.largest if facts.files else []) if s >= rules.LARGE_FILE_BYTES]
-        if run.output is not None and big and os.path.isdir(path):
-            more = run_tool(["lfs", "getstripe", *big])
-            if more.output:
-                facts.stripe_text = f"{path}\n{run.output}\n{more.output}"
+        record_lustre(facts, runner)
     if not probe:
         facts.odirect_reason = facts.qd_reason = "probes turned off (--no-probe)"
     elif not os.access(directory, os.W_OK):

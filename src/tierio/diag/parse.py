@@ -1,4 +1,4 @@
-"""Parsers for what a node reports about its storage: mountinfo, /proc/diskstats, `iostat -dx`, `lfs getstripe`.
+"""Parsers for what a node reports about its storage: mountinfo, /proc/diskstats, `iostat -dx`.
 
 Pure functions over text, so every rule can be checked against captured output from real clusters.
 """
@@ -6,9 +6,14 @@ Pure functions over text, so every rule can be checked against captured output f
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tierio.errors import FormatError
+from tierio.io.lustre import StripeLayout, parse_getstripe
+
+# the Lustre parsers live in io.lustre: tiers and dataset builds read layouts too
+__all__ = ["DeviceLoad", "DiskCounters", "Mount", "StripeLayout", "diskstats_delta", "is_whole_disk", "mount_of",
+           "parse_diskstats", "parse_getstripe", "parse_iostat", "parse_mountinfo"]
 
 
 # ---- /proc/self/mountinfo -------------------------------------------------------------------
@@ -19,6 +24,7 @@ class Mount:
     fs_type: str
     source: str
     dev: str  # "major:minor"
+    options: str = ""  # the mount's own options and the filesystem's (superblock) options, comma-joined
 
 
 def _unescape(field_text: str) -> str:
@@ -35,7 +41,8 @@ def parse_mountinfo(text: str) -> list[Mount]:
         sep = parts.index("-")
         fs_type = parts[sep + 1] if sep + 1 < len(parts) else ""
         source = parts[sep + 2] if sep + 2 < len(parts) else ""
-        mounts.append(Mount(_unescape(parts[4]), fs_type, _unescape(source), parts[2]))
+        superopts = parts[sep + 3] if sep + 3 < len(parts) else ""
+        mounts.append(Mount(_unescape(parts[4]), fs_type, _unescape(source), parts[2], f"{parts[5]},{superopts}"))
     return mounts
 
 
@@ -177,48 +184,3 @@ def parse_iostat(text: str) -> list[DeviceLoad]:
                                    ("util_pct", "reads_per_s", "writes_per_s", "read_bps", "write_bps",
                                     "r_await_ms", "w_await_ms"))))
     return out
-
-
-# ---- lfs getstripe ----------------------------------------------------------------------------
-
-@dataclass
-class StripeLayout:
-    """Stripe layout of one file or directory default, from `lfs getstripe`.
-
-    ``stripe_count`` is the count that governs the bulk of the data: the last component of a
-    composite (PFL) layout. -1 means all OSTs; 0 means the filesystem default (usually 1).
-    """
-
-    path: str
-    is_dir: bool
-    stripe_count: int
-    stripe_size: int | None = None
-    component_counts: list[int] = field(default_factory=list)
-
-
-def parse_getstripe(text: str, default_path: str = "") -> list[StripeLayout]:
-    """Layouts from `lfs getstripe [-d|-R] PATH...` output (plain and composite layouts)."""
-    layouts: list[StripeLayout] = []
-    path, counts, sizes, is_dir = default_path, [], [], False
-
-    def flush() -> None:
-        if counts:
-            layouts.append(StripeLayout(path, is_dir, counts[-1], sizes[-1] if sizes else None, list(counts)))
-
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line:
-            continue
-        if raw[:1] == "/" or (raw[:1] not in (" ", "\t") and ":" not in line and not line[0].isdigit()):
-            flush()
-            path, counts, sizes, is_dir = line.rstrip("/") or "/", [], [], False
-            continue
-        for key, value in re.findall(r"(\w+):\s*(-?\d+)", line):
-            if key in ("stripe_count", "lmm_stripe_count"):
-                counts.append(int(value))
-                if key == "stripe_count":
-                    is_dir = True  # `stripe_count: N stripe_size: ...` on one line: a directory default
-            elif key in ("stripe_size", "lmm_stripe_size"):
-                sizes.append(int(value))
-    flush()
-    return layouts

@@ -110,6 +110,39 @@ def probe_directory(path: str | Path, size: int = 1 << 30, progress: Callable[[s
     return report
 
 
+def probe_gds(path: str | Path, size: int = 256 * MiB) -> ProbeReport | None:
+    """The same file read into GPU memory two ways, page cache dropped before each: GPUDirect Storage
+    (kvikio) and O_DIRECT into host memory plus a device copy (the bounce path). None without kvikio + CUDA."""
+    from tierio.io import gds
+
+    if not gds.available():
+        return None
+    import torch
+
+    d = Path(path)
+    report = ProbeReport(str(d.resolve()), filesystem_type(d))
+    buf = HostBuffer(size)
+    buf.array[:] = 0x5A
+    dev = torch.empty(buf.capacity, dtype=torch.uint8, device="cuda")
+    scratch = d / f".tierio-gds-{uuid.uuid4().hex[:8]}"
+    try:
+        _, direct = _write(scratch, buf, size, True)
+        evict(scratch)
+        t0 = time.perf_counter()
+        gds.read_to_device(scratch, dev[:size])
+        torch.cuda.synchronize()
+        report.results.append(ProbeResult(report.target, "gds", "read", size, time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        _read(scratch, buf, size, direct)
+        dev[:size].copy_(buf.tensor()[:size])
+        torch.cuda.synchronize()
+        report.results.append(ProbeResult(report.target, "bounce", "read", size, time.perf_counter() - t0))
+        report.notes.append(f"kvikio compatibility mode: {gds.compat_mode()}")
+    finally:
+        scratch.unlink(missing_ok=True)
+    return report
+
+
 def probe_s3(url: str, size: int = 256 * MiB, concurrencies: tuple[int, ...] = (1, 4, 16),
              progress: Callable[[str], None] | None = None) -> ProbeReport:
     """PUT then GET one object of ``size`` bytes at each concurrency; the object is deleted after."""

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import heapq
 import os
-import shutil
-import subprocess
 import time
 from dataclasses import dataclass, field
 
 from tierio.diag.parse import Mount, mount_of, parse_mountinfo
 from tierio.io.space import disk_space
+from tierio.io.tools import ToolRun, run_tool
+
+# run_tool and ToolRun live in io.tools: the checkpoint tiers and dataset builds run `lfs` too
+__all__ = ["DISKSTATS", "MOUNTINFO", "BlockDevice", "FileScan", "ToolRun", "block_device", "find_mount",
+           "read_text", "run_tool", "scan_files", "space"]
 
 MOUNTINFO = "/proc/self/mountinfo"
 DISKSTATS = "/proc/diskstats"
@@ -114,27 +117,3 @@ def scan_files(root: str, small_bytes: int = 1_000_000, max_files: int = 50_000,
             continue
     scan.largest = sorted(heap, reverse=True)
     return scan
-
-
-@dataclass(frozen=True)
-class ToolRun:
-    output: str | None
-    reason: str = ""   # why there is no output
-
-
-def run_tool(argv: list[str], timeout: float = 30.0) -> ToolRun:
-    """Run an external tool; a missing tool, a failure or a timeout becomes a reason."""
-    exe = shutil.which(argv[0])
-    if exe is None:
-        hint = {"lfs": "Lustre client tools are not installed", "iostat": "install the sysstat package"}.get(argv[0], "")
-        return ToolRun(None, f"{argv[0]} not found{': ' + hint if hint else ''}")
-    try:
-        proc = subprocess.run([exe, *argv[1:]], capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return ToolRun(None, f"{' '.join(argv)} did not finish within {timeout:g} s")
-    except OSError as exc:
-        return ToolRun(None, f"{argv[0]} could not run ({exc.strerror})")
-    if proc.returncode != 0:
-        msg = (proc.stderr or proc.stdout).strip().splitlines()
-        return ToolRun(None, f"{' '.join(argv)} failed: {msg[-1] if msg else 'exit ' + str(proc.returncode)}")
-    return ToolRun(proc.stdout)

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from tierio import events
 from tierio.errors import ConfigError
 
 FLAG_RATIO = 3.0  # P99/mean data wait above this points at storage variance
@@ -142,6 +143,9 @@ class WaitTimer:
         compute = max(0.0, total - self._wait_acc - self._stall_acc)
         rec = StepRecord(len(self.steps), self._rel(self._step_start), total, self._wait_acc, compute, self._stall_acc)
         self.steps.append(rec)
+        if rec.index > 0:  # live step-time metrics (tierio.metrics), warm-up step left out as in summary()
+            events.emit(events.StepTimed(self.name or self.kind.rsplit(".", 1)[-1], total, rec.data_wait,
+                                         rec.checkpoint_stall))
         self._step_start, self._wait_acc, self._stall_acc = t, 0.0, 0.0
         return rec
 
@@ -227,6 +231,35 @@ class WaitTimer:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+class StepClock:
+    """Step time for the live metrics only, in constant memory: what the framework integrations run
+    on every step of a whole training run (a StepTimer keeps every step for its table and JSON).
+
+    ``step_done()`` closes a step and reports it as an ``events.StepTimed`` (the first, warm-up step
+    is left out, as in StepTimer); time inside ``with clock.stall():`` is that step's checkpoint stall."""
+
+    def __init__(self, name: str, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.name, self._clock = name, clock
+        self._start = clock()
+        self._stall = 0.0
+        self.steps = 0
+
+    def step_done(self) -> None:
+        now = self._clock()
+        if self.steps > 0:
+            events.emit(events.StepTimed(self.name, now - self._start, 0.0, self._stall))
+        self.steps += 1
+        self._start, self._stall = now, 0.0
+
+    @contextlib.contextmanager
+    def stall(self) -> Iterator[None]:
+        t0 = self._clock()
+        try:
+            yield
+        finally:
+            self._stall += self._clock() - t0
 
 
 class _CheckpointScope:

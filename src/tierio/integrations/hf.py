@@ -39,6 +39,7 @@ from typing import Any
 from tierio.ckpt import rng_state, set_rng_state
 from tierio.ckpt.preempt import PreemptOptions, Preemption
 from tierio.ckpt.replicated import spread
+from tierio.diag.timers import StepClock
 from tierio.dist import rank_world
 from tierio.errors import ConfigError
 from tierio.integrations import sharded
@@ -151,6 +152,20 @@ class PreemptCallback(TrainerCallback):
             self.trainer._tierio_emergency_save(preempt)
 
 
+class StepTimeCallback(TrainerCallback):
+    """Reports every optimizer step's time to ``tierio.metrics`` (``tierio_step_seconds{timer="trainer"}``);
+    the time tierio's saves hold the loop is the checkpoint stall of the step they follow."""
+
+    def __init__(self) -> None:
+        self.clock = StepClock("trainer")
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.clock = StepClock("trainer")
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.clock.step_done()
+
+
 class TierioCheckpointsMixin:
     """Mix into a ``transformers.Trainer`` (sub)class: its checkpoints go through tierio.
 
@@ -175,6 +190,8 @@ class TierioCheckpointsMixin:
         self._tierio_position: tuple[str, DataPosition] | None = None  # the resumed folder's
         if self._tierio_preempt is not None:
             t.add_callback(PreemptCallback(self))
+        self._tierio_steps = StepTimeCallback()
+        t.add_callback(self._tierio_steps)
 
     def _check_supported(self) -> None:
         t: Any = self
@@ -194,7 +211,8 @@ class TierioCheckpointsMixin:
 
     # -- saving ---------------------------------------------------------------------------------
     def _save_checkpoint(self, model: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
-        self._tierio_save(trial)
+        with self._tierio_steps.clock.stall():
+            self._tierio_save(trial)
 
     def _tierio_emergency_save(self, preempt: Preemption) -> None:
         """The checkpoint of the agreed step, as the Trainer's own (``checkpoint-N/``, rotation,
@@ -382,4 +400,4 @@ class TierioTrainer(TierioCheckpointsMixin, Trainer):
     """``transformers.Trainer`` whose checkpoints go through tierio (see the module's docs)."""
 
 
-__all__ = ["TierioCheckpointsMixin", "TierioTrainer", "TrainerCheckpoints", "is_tierio_checkpoint"]
+__all__ = ["StepTimeCallback", "TierioCheckpointsMixin", "TierioTrainer", "TrainerCheckpoints", "is_tierio_checkpoint"]

@@ -42,6 +42,7 @@ from tierio.ckpt import CheckpointManager
 from tierio.ckpt.preempt import PreemptOptions, Preemption
 from tierio.ckpt.replicated import spread
 from tierio.ckpt.restore.plan import PER_RANK
+from tierio.diag.timers import StepClock
 from tierio.dist import rank_world
 from tierio.errors import ConfigError, StorageError
 from tierio.integrations import sharded
@@ -264,6 +265,21 @@ class TierioModelParallelStrategy(_EveryRankSaves, ModelParallelStrategy):
         return checkpoint
 
 
+class TierioStepTime(Callback):
+    """Reports every training batch's time to ``tierio.metrics`` (``tierio_step_seconds{timer=name}``,
+    P50/P99 gauges and the step-time alert): ``Trainer(callbacks=[TierioStepTime()], ...)``."""
+
+    def __init__(self, name: str = "lightning") -> None:
+        self.name = name
+        self.clock = StepClock(name)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.clock = StepClock(self.name)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.clock.step_done()
+
+
 class TierioPreemption(Callback):
     """A scheduler's SIGTERM or SIGUSR1 becomes one emergency checkpoint that ``ckpt_path="last"``
     resumes from, durable before the process exits (``tierio.ckpt.preempt``; ``options`` are
@@ -377,4 +393,4 @@ def _int(v: Any) -> int | None:
     return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
 
 
-__all__ = ["TierioCheckpointIO", "TierioDDPStrategy", "TierioModelParallelStrategy", "TierioPreemption"]
+__all__ = ["TierioCheckpointIO", "TierioDDPStrategy", "TierioModelParallelStrategy", "TierioPreemption", "TierioStepTime"]

@@ -18,7 +18,10 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from tierio import events
-from tierio.diag.alerts import DATA_WAIT_VARIANCE, PERSIST_REGRESSION, AlertChange, AlertOptions, DataWaitVariance, PersistRegression
+from tierio.diag.alerts import (
+    DATA_WAIT_VARIANCE, PERSIST_REGRESSION, STEP_TIME_VARIANCE, AlertChange, AlertOptions, DataWaitVariance,
+    PersistRegression, StepVariance,
+)
 from tierio.errors import ConfigError
 from tierio.io.space import disk_space
 from tierio.storage.url import redact
@@ -28,6 +31,7 @@ log = logging.getLogger("tierio.metrics")
 # Bucket bounds in seconds: a save's stall is milliseconds to seconds, a persist up to minutes.
 STALL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PERSIST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0)
 WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 PROBE_WAIT = 1.0  # seconds a scrape waits for a tier's statvfs before it reports the last value read
 
@@ -86,6 +90,12 @@ class _Series:
         self.promo_failures = c("tierio_checkpoint_promotion_failures", "Promotion attempts that failed (retried with the next save)", ("tier",))
         self.restore = h("tierio_checkpoint_restore_seconds", "Restore time, labelled with the tier the state came from", ("tier",), PERSIST_BUCKETS)
         self.verify_failures = c("tierio_checkpoint_verify_failures", "Copies found damaged or incomplete (checksum, missing file) on restore or promotion", ("tier",))
+        self.step = h("tierio_step_seconds", "Training step time reported by StepTimer/WaitTimer (warm-up step left out)", ("timer",), STEP_BUCKETS)
+        self.step_p50 = g("tierio_step_p50_seconds", "P50 of the recent step times", ("timer",))
+        self.step_p99 = g("tierio_step_p99_seconds", "P99 of the recent step times", ("timer",))
+        self.step_ratio = g("tierio_step_p99_over_p50", "P99/P50 of the recent step times (alert above 3)", ("timer",))
+        self.step_wait = c("tierio_step_data_wait_seconds", "Seconds of step time spent waiting for data", ("timer",))
+        self.step_stall = c("tierio_step_checkpoint_stall_seconds", "Seconds of step time checkpoint saves held the loop", ("timer",))
         self.wait = h("tierio_data_wait_seconds", "Time the training loop waited for a batch", ("loader",), WAIT_BUCKETS)
         self.wait_p50 = g("tierio_data_wait_p50_seconds", "P50 of the recent data waits", ("loader",))
         self.wait_p99 = g("tierio_data_wait_p99_seconds", "P99 of the recent data waits", ("loader",))
@@ -102,7 +112,7 @@ class _Series:
         self.kv_ratio = g("tierio_kv_hit_ratio", "KV-cache blocks served by each tier / blocks asked for, since the exporter started", ("tier",))
         self.alert = g("tierio_alert", "1 while a regression alert is on", ("alert", "key"))
         self.alerts = c("tierio_alerts", "Times a regression alert turned on", ("alert",))
-        for name in (PERSIST_REGRESSION, DATA_WAIT_VARIANCE):
+        for name in (PERSIST_REGRESSION, DATA_WAIT_VARIANCE, STEP_TIME_VARIANCE):
             self.alerts.labels(name)  # present at 0, so a rule on increase() has a series from the start
 
 
@@ -201,6 +211,7 @@ class Exporter:
         self._kv_asked = 0
         self._persist = PersistRegression(self.options)
         self._waits = DataWaitVariance(self.options)
+        self._steps = StepVariance(self.options)
         self._active: dict[tuple[str, str], str] = {}
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -245,6 +256,8 @@ class Exporter:
         s = self._series
         if isinstance(ev, events.DataWait):
             self._on_wait(ev)
+        elif isinstance(ev, events.StepTimed):
+            self._on_step(ev)
         elif isinstance(ev, events.CacheLookup):
             s.lookups.labels(ev.cache, "hit" if ev.hit else "miss").inc()
             s.hit_ratio.labels(ev.cache).set(self._ratio(self._cache, ev.cache, ev.hit))
@@ -299,12 +312,22 @@ class Exporter:
     def _on_wait(self, ev: events.DataWait) -> None:
         s = self._series
         s.wait.labels(ev.loader).observe(ev.seconds)
+        self._window(self._waits, ev.loader, ev.seconds, (s.wait_p50, s.wait_p99, s.wait_ratio))
+
+    def _on_step(self, ev: events.StepTimed) -> None:
+        s = self._series
+        s.step.labels(ev.timer).observe(ev.seconds)
+        s.step_wait.labels(ev.timer).inc(ev.data_wait)
+        s.step_stall.labels(ev.timer).inc(ev.checkpoint_stall)
+        self._window(self._steps, ev.timer, ev.seconds, (s.step_p50, s.step_p99, s.step_ratio))
+
+    def _window(self, watch: DataWaitVariance, key: str, seconds: float, gauges: tuple[Any, Any, Any]) -> None:
+        """Feed a sliding-window alert; when it summarizes, set its P50, P99 and ratio gauges."""
         with self._lock:
-            summary, change = self._waits.observe(ev.loader, ev.seconds)
+            summary, change = watch.observe(key, seconds)
         if summary is not None:
-            s.wait_p50.labels(ev.loader).set(summary.p50)
-            s.wait_p99.labels(ev.loader).set(summary.p99)
-            s.wait_ratio.labels(ev.loader).set(summary.p99_over_mean)
+            for gauge, value in zip(gauges, (summary.p50, summary.p99, watch.ratio(summary))):
+                gauge.labels(key).set(value)
         self._report(change)
 
     def _on_kv(self, ev: events.KvGet) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tierio.errors import ConfigError
+from tierio.io.numa import first_touch_on
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +57,20 @@ class HostBuffer:
     ``tensor()`` a torch uint8 view (no copy).
     """
 
-    def __init__(self, nbytes: int, *, pin: bool | None = None, prefault: bool = True) -> None:
+    def __init__(self, nbytes: int, *, pin: bool | None = None, prefault: bool = True,
+                 numa_node: int | None = None) -> None:
         if nbytes < 0:
             raise ConfigError(f"HostBuffer size must be >= 0, got {nbytes}")
         self.capacity = align_up(max(nbytes, 1), PAGE)
         self.pinned = False
         self._torch = None
+        self.numa_node = numa_node  # its pages were first touched from this node's CPUs (io.numa)
+        with first_touch_on(numa_node):
+            self._allocate(pin, prefault)
+        self.view = memoryview(self.array).cast("B")
+        assert address_of(self.array) % ALIGN == 0
+
+    def _allocate(self, pin: bool | None, prefault: bool) -> None:
         want_pin = _cuda_available() if pin is None else pin
         if want_pin and _cuda_available():
             import torch
@@ -78,8 +87,6 @@ class HostBuffer:
             self.array = np.frombuffer(self._mmap, dtype=np.uint8)
         if prefault and not self.pinned:
             self.array[::PAGE] = 0  # no-op cost when MAP_POPULATE already faulted them
-        self.view = memoryview(self.array).cast("B")
-        assert address_of(self.array) % ALIGN == 0
 
     def __len__(self) -> int:
         return self.capacity
@@ -111,6 +118,7 @@ class BufferPool:
     budget_bytes: int | None
     pin: bool | None = None
     max_buffers: int | None = None
+    numa_node: int | None = None   # new buffers are placed on this NUMA node (io.numa); None: where they fall
     _free: list[HostBuffer] = field(default_factory=list)
     _allocated: int = 0
     _busy: int = 0  # buffers handed out and not released yet
@@ -165,7 +173,7 @@ class BufferPool:
                     raise TimeoutError(f"no staging buffer of {need} bytes became free in {timeout}s")
                 self._cond.wait(left)
         try:
-            return HostBuffer(need, pin=self.pin)
+            return HostBuffer(need, pin=self.pin, numa_node=self.numa_node)
         except BaseException:
             with self._cond:
                 self._allocated -= need
@@ -201,13 +209,14 @@ _shared: dict[str, BufferPool] = {}
 _shared_lock = threading.Lock()
 
 
-def shared_pool(name: str, budget_bytes: int) -> BufferPool:
+def shared_pool(name: str, budget_bytes: int, numa_node: int | None = None) -> BufferPool:
     """The process-wide pool ``name`` (made on first use with ``budget_bytes``), so its buffers are
-    faulted in once per process whatever uses them."""
+    faulted in once per process whatever uses them; one per NUMA node asked for."""
+    key = name if numa_node is None else f"{name}@node{numa_node}"
     with _shared_lock:
-        pool = _shared.get(name)
+        pool = _shared.get(key)
         if pool is None:
-            pool = _shared[name] = BufferPool(budget_bytes=budget_bytes)
+            pool = _shared[key] = BufferPool(budget_bytes=budget_bytes, numa_node=numa_node)
         return pool
 
 

@@ -13,10 +13,11 @@ from typing import Any
 from tierio.errors import ConfigError
 from tierio.plan import bandwidth, checkpoint, cost, serving
 from tierio.plan.measured import Measured
+from tierio.plan.operator_report import OPERATOR_SECTIONS, operator_plan, operator_tables
 from tierio.plan.model import ModelShape, dtype_bytes, preset
 from tierio.plan.quantities import fmt_bytes, fmt_money, fmt_num, fmt_pct, fmt_rate, fmt_seconds
 
-SECTIONS = ("checkpoint", "write", "interval", "commit", "bandwidth", "data", "weights", "kv", "cost")
+SECTIONS = ("checkpoint", "write", "interval", "commit", "bandwidth", "data", "weights", "kv", "cost", *OPERATOR_SECTIONS)
 
 
 @dataclass
@@ -86,6 +87,23 @@ class PlanInputs:
     mtbf_s: float | None = None
     gpu_mtbf_s: float = 50_000 * 3600.0      # ~ one interruption per 50,000 GPU-hours at 16K-GPU scale
     restart_s: float = 0.0                   # restart and restore after a failure
+    # day-one operator questions (plan.operator): the chapter's figures by default
+    fs: str = "auto"
+    idle_fraction: float = 0.15
+    recovery_target_s: float = 600.0
+    object_bw: float = 5e9                   # aggregate GET throughput of the object store
+    dataset_cache: float = 2e12              # per node
+    nvme_keep: int = 3                       # checkpoints kept on node-local NVMe
+    kv_spill: float | None = None            # None: nvme_capacity
+    nvme_per_node: float = 8 * 3.84e12       # eight 3.84 TB drives
+    padding_before: float = 0.902            # (4096 − 400) / 4096: 400-token documents padded to 4,096
+    padding_after: float = 0.02              # packing 98% full
+    wait_share: float = 0.15
+    wait_share_after: float = 0.0
+    restarts_per_day: float = 100
+    serve_nodes: int = 50
+    restart_from: str = "nfs"
+    restart_to: str = "gds"
 
 
 def build_plan(inp: PlanInputs) -> dict[str, Any]:
@@ -158,7 +176,7 @@ def build_plan(inp: PlanInputs) -> dict[str, Any]:
     daily = inp.archive_per_day if inp.archive_per_day is not None else size.bytes_total
     archive = cost.archive_cost(daily, inp.object_price, inp.years, inp.retention_days)
 
-    return {
+    plan = {
         "model": asdict(m),
         "parallelism": {**asdict(par), "dp": par.dp, "nodes": par.nodes},
         "checkpoint": {
@@ -203,6 +221,7 @@ def build_plan(inp: PlanInputs) -> dict[str, Any]:
         "measured": measured,
         "notes": notes,
     }
+    return plan | operator_plan(inp, plan)
 
 
 def _interval(inp: PlanInputs, writes: list[checkpoint.WriteCost], planned_s: float) -> dict[str, Any]:
@@ -325,7 +344,7 @@ def tables(plan: dict[str, Any], sections: tuple[str, ...] = SECTIONS) -> list[t
             [f"total over {ar['years']:g} years", "", fmt_money(c["total"])],
         ]
         out.append(("Storage cost", ["item", "arithmetic", "cost"], rows))
-    return out
+    return out + operator_tables(plan, sections)
 
 
 def _interval_table(iv: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:

@@ -233,12 +233,13 @@ def read_through_ring(
     direct: bool = True,
     hook: Hook | None = None,
     counters: Counters | None = None,
+    numa_node: int | None = None,
 ) -> None:
-    """Stream every extent through the bounded staging ring; ``sink(ext, rel, view, n, buffer)``
-    copies each window out before its staging buffer is reused."""
+    """Stream every extent through the bounded staging ring (on ``numa_node`` when given);
+    ``sink(ext, rel, view, n, buffer)`` copies each window out before its staging buffer is reused."""
     counters = counters or Counters()
     chunk = align_up(chunk_size)
-    pool = staging_pool()
+    pool = staging_pool(numa_node)
     depth = max(1, min(depth, pool.budget_bytes // chunk))  # staging memory stays within the budget
 
     def window(reader: ShardReader, w: Window) -> None:

@@ -26,6 +26,7 @@ from tierio import events
 from tierio.errors import ConfigError, NotFoundError
 from tierio.format.safetensors import TensorEntry, torch_dtype
 from tierio.io import gds
+from tierio.io.numa import placement
 from tierio.weights import engine
 from tierio.weights.engine import Counters, Extent, Hook, Progress
 from tierio.weights.options import LoadOptions
@@ -88,6 +89,7 @@ class ReadSpec:
     progress: Progress | None = None
     whole_files: bool = False  # read every byte of every shard (a cache fill must see them all)
     hook: Hook | None = None  # sees every window while it is in memory (the weight cache writes it)
+    numa_node: int | None = None  # the staging ring's NUMA node (io.numa)
 
 
 @dataclass
@@ -169,11 +171,21 @@ def load(
     o = LoadOptions.resolve(options, overrides)
     stats = o.stats if o.stats is not None else LoadStats()
     opts = ReadSpec(as_device(device), dtype, list(keys) if keys is not None else None, mapped=o.mapped, direct=o.direct,
-                    chunk_size=int(o.chunk_bytes), depth=o.depth, use_gds=o.use_gds, progress=o.progress)
+                    chunk_size=int(o.chunk_bytes), depth=o.depth, use_gds=o.use_gds, progress=o.progress,
+                    numa_node=_staging_node(o, stats))
     with Timer(stats):
         src = source if isinstance(source, ModelSource) else resolve(source)
         out = load_resolved(src, opts, stats)
     return out
+
+
+def _staging_node(o: LoadOptions, stats: LoadStats) -> int | None:
+    """The NUMA node the staging ring is placed on, and the placement reported in the stats."""
+    if o.numa_node is None:
+        return None
+    where = placement(o.numa_node)
+    stats.extra["staging_numa"] = where.to_dict()
+    return where.node
 
 
 def load_resolved(src: ModelSource, opts: ReadSpec, stats: LoadStats) -> dict[str, torch.Tensor]:
@@ -288,7 +300,7 @@ def _load_cuda(plan: ReadPlan, opts: ReadSpec, stats: LoadStats) -> dict[str, to
             copy_to_device(by_ext[id(ext)][rel : rel + n], buf.tensor()[:n])
 
         engine.read_through_ring(plan.extents, sink, chunk_size=opts.chunk_size, depth=opts.depth, direct=opts.direct,
-                                 hook=opts.hook, counters=plan.counters)
+                                 hook=opts.hook, counters=plan.counters, numa_node=opts.numa_node)
     torch.cuda.synchronize(dev)
     out = {}
     for ext, base in zip(plan.extents, dev_bufs):
@@ -346,7 +358,8 @@ def load_into(
     o = LoadOptions.resolve(options, overrides)
     strict = o.strict
     stats = o.stats if o.stats is not None else LoadStats()
-    opts = ReadSpec(direct=o.direct, chunk_size=int(o.chunk_bytes), depth=o.depth, progress=o.progress)
+    opts = ReadSpec(direct=o.direct, chunk_size=int(o.chunk_bytes), depth=o.depth, progress=o.progress,
+                    numa_node=_staging_node(o, stats))
     with Timer(stats):
         src = source if isinstance(source, ModelSource) else resolve(source)
         stats.source, stats.method = src.url, "in-place"
@@ -412,7 +425,8 @@ def _fill_in_place(targets: dict[str, tuple[torch.Tensor, Shard, TensorEntry]], 
             i += 1
 
     counters = Counters(total=sum(x.end - x.start for x in extents), progress=opts.progress)
-    engine.read_through_ring(extents, sink, chunk_size=opts.chunk_size, depth=opts.depth, direct=opts.direct, counters=counters)
+    engine.read_through_ring(extents, sink, chunk_size=opts.chunk_size, depth=opts.depth, direct=opts.direct,
+                             counters=counters, numa_node=opts.numa_node)
     with torch.no_grad():
         for dst, staged in finish:
             dst.copy_(staged)

@@ -20,6 +20,6 @@ __all__ = ["HUGE", "MADV_HUGEPAGE", "MADV_POPULATE_READ", "MADV_POPULATE_WRITE",
 STAGING_BUDGET = 512 << 20  # the GPU / load_into staging ring never exceeds this
 
 
-def staging_pool() -> BufferPool:
-    """The process-wide staging ring (pinned when CUDA exists), bounded by STAGING_BUDGET."""
-    return shared_pool("weights-staging", STAGING_BUDGET)
+def staging_pool(numa_node: int | None = None) -> BufferPool:
+    """The process-wide staging ring (pinned when CUDA exists), bounded by STAGING_BUDGET; one per NUMA node asked for."""
+    return shared_pool("weights-staging", STAGING_BUDGET, numa_node)

@@ -17,7 +17,9 @@ class LoadOptions(Options):
     """``stats`` receives bytes, seconds and CPU time; ``direct`` reads by O_DIRECT where the
     filesystem allows; ``chunk_bytes`` per request, ``depth`` in flight; ``use_gds`` (None: when
     kvikio works); ``mapped``: CPU tensors as copy-on-write views of local files; ``progress(done,
-    total)`` from the reader threads; ``strict`` (load_into): every target tensor must be in the source."""
+    total)`` from the reader threads; ``strict`` (load_into): every target tensor must be in the source;
+    ``numa_node``: the staging ring's NUMA node (a number, or ``"auto"`` for the current GPU's), reported
+    in ``stats.extra["staging_numa"]``."""
 
     ALIASES: ClassVar[dict[str, str]] = {"chunk_size": "chunk_bytes"}
 
@@ -29,6 +31,7 @@ class LoadOptions(Options):
     mapped: bool = True
     progress: Progress | None = None
     strict: bool = True
+    numa_node: int | str | None = None
 
 
 __all__ = ["LoadOptions"]

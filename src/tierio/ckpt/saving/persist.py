@@ -28,6 +28,7 @@ from tierio.errors import ConfigError, FormatError, StorageError
 from tierio.format.manifest import RankEntry, TensorInfo
 from tierio.format.shard import Placement, ShardBytes, describe, manifest_key, plan_shard, shard_key, shard_name, step_dir
 from tierio.io.buffers import BufferPool, align_up
+from tierio.io.numa import placement
 from tierio.units import human_bytes
 
 from tierio.ckpt.promotion.buddy import Buddy
@@ -50,11 +51,12 @@ class Persister:
 
     def __init__(self, tiers: list[TierState], cluster: Cluster, book: StepBook, *, memory_budget: int | None,
                  slots: int, overlap: bool, incremental: bool, buddy: Buddy | None,
-                 persisted: Callable[[int, SaveHandle], None]) -> None:
+                 persisted: Callable[[int, SaveHandle], None], numa_node: int | str | None = None) -> None:
         self.tiers, self.cluster, self.book, self.buddy = tiers, cluster, book, buddy
         self.memory_budget, self.incremental, self.persisted = memory_budget, incremental, persisted
         # Staging buffers: at most `slots` exist, within the memory budget, reused by every save.
-        self.staging = BufferPool(budget_bytes=memory_budget, max_buffers=slots)
+        self.numa = placement(numa_node)
+        self.staging = BufferPool(budget_bytes=memory_budget, max_buffers=slots, numa_node=self.numa.node)
         self.stager = Stager()
         self.overlap = Overlap(self.stager) if overlap else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tierio-ckpt-persist")
