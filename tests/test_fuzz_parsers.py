@@ -27,7 +27,7 @@ from tierio.data.indexed import IndexedDataset
 from tierio.data.packing import parse_plan, plan_packing, save_plan
 from tierio.data.shards import ShardWriter, decode_npy, load_manifest, parse_index
 from tierio.data.shards import parse_manifest as parse_shard_manifest
-from tierio.errors import TierioError
+from tierio.errors import FormatError, TierioError
 from tierio.format.manifest import Manifest, encode_record, parse_manifest, parse_record
 from tierio.format.safetensors import read_header_from
 from tierio.format.shard import plan_shard
@@ -299,6 +299,18 @@ def test_fuzz_pack_plan(plan_bytes, data):
     plan = only_typed_errors(parse_plan, io.BytesIO(raw), "p.npz")
     if plan is not None:
         assert len(plan) == len(plan.pack_offsets) - 1 and all(len(plan.pack(i)[0]) >= 0 for i in range(len(plan)))
+
+
+def test_a_pack_plan_whose_member_claims_encryption_is_a_format_error(plan_bytes):
+    """Found by the fuzzer: the zip flag bit 'encrypted' made zipfile raise a bare RuntimeError."""
+    raw = bytearray(plan_bytes)
+    for sig, flag_at in ((b"PK\x03\x04", 6), (b"PK\x01\x02", 8)):  # local header, central directory
+        at = raw.find(sig)
+        while at >= 0:
+            raw[at + flag_at] |= 0x01
+            at = raw.find(sig, at + 4)
+    with pytest.raises(FormatError, match="not a readable pack plan"):
+        parse_plan(io.BytesIO(bytes(raw)), "p.npz")
 
 
 @FUZZ

@@ -228,7 +228,10 @@ def parse_plan(f: BinaryIO, where: str) -> PackPlan:
     before it is read, and the arrays against each other."""
     try:
         arrays = _plan_arrays(f, where)
-    except zipfile.BadZipFile as exc:
+    except (zipfile.BadZipFile, RuntimeError, NotImplementedError, EOFError, ValueError) as exc:
+        # zipfile's own refusals: an encrypted member is a RuntimeError, an unknown method NotImplementedError
+        if isinstance(exc, FormatError):
+            raise
         raise FormatError(f"{where}: not a readable pack plan ({exc}); re-create it with `tierio data pack`") from None
     doc = Fields(loads(arrays["meta"].tobytes(), f"{where}: meta", limit=MAX_PLAN_META), f"{where}: meta")
     if doc.doc.get("format") != PLAN_FORMAT or doc.doc.get("version") != PLAN_VERSION:
