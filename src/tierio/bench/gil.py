@@ -6,6 +6,7 @@ stalls most) is timed over and over:
   idle          nothing else runs (the steps just before and after each scenario below)
   tierio        while a CheckpointManager save persists to tier 0 and promotes to tier 1 behind it
                 (its persist, checksum and promotion threads run in this process)
+  tierio_one    the same with one tier: the same work as DCP's (write once), no promotion copy
   dcp_thread    while ``dcp.async_save`` writes with its thread-based checkpointer
   dcp_process   while ``dcp.async_save`` writes with ``AsyncCheckpointerType.PROCESS`` (a process
                 of its own: the reference for "off the training interpreter")
@@ -19,6 +20,8 @@ interleaved across the scenarios (``common.alternate``); each ratio is the media
   step_during_persist_vs_idle     idle median ÷ median while tierio persists and promotes (1.0: no tax)
   step_slowdown_vs_dcp_process    that figure ÷ the same for DCP's process-based async save
   step_during_dcp_thread_vs_idle  idle median ÷ median while DCP's thread-based async save writes
+  step_one_tier_vs_dcp_process    tierio with one tier ÷ DCP's process: the same bytes written once,
+                                  so what is left of the gap is the threads, not the promotion's copy
 
 tierio's manager lives for the whole run, as in a training job (one warm-up save first: its
 staging and promotion buffers are allocated once and reused); DCP's saves are its steady state too.
@@ -111,12 +114,14 @@ def measure(nbytes: int, work: Path, rounds: int, log: Callable[[str], None]) ->
             return statistics.median(before + after) / statistics.median(busy)
         return run
 
-    def tierio() -> list[float]:
-        step[0] += 1
-        handle = mgr.save(step[0], state)
-        times = _steps_while(lambda: not handle.done(), xs)
-        handle.wait()
-        return times
+    def tierio_on(manager: Any) -> Callable[[], list[float]]:
+        def run() -> list[float]:
+            step[0] += 1
+            handle = manager.save(step[0], state)
+            times = _steps_while(lambda: not handle.done(), xs)
+            handle.wait()
+            return times
+        return run
 
     def dcp_run(kind: Any) -> Callable[[], list[float]]:
         def run() -> list[float]:
@@ -134,16 +139,20 @@ def measure(nbytes: int, work: Path, rounds: int, log: Callable[[str], None]) ->
     tiers = [Tier(work / "t0", KeepLast(1)), Tier(work / "t1", KeepLast(1))]
     with _profiled_threads() as profiles, CheckpointManager(tiers, min_keep=1) as traced:
         background = _background_python(traced, state, step, profiles)
-    with CheckpointManager(tiers, min_keep=1) as mgr:  # the timed one runs unprofiled
-        step[0] += 1
-        mgr.save(step[0], state).wait()  # allocates its buffers, as a job's first save does
-        log(f"Python-heavy steps: idle, and while tierio / DCP (thread, process) save {nbytes >> 20} MiB; "
-            f"{rounds} rounds")
-        got = common.alternate({"tierio": judged(tierio), "dcp_thread": judged(dcp_run(AsyncCheckpointerType.THREAD)),
+    # the timed ones run unprofiled
+    with CheckpointManager(tiers, min_keep=1) as mgr, CheckpointManager([Tier(work / "one", KeepLast(1))], min_keep=1) as one:
+        for manager in (mgr, one):
+            step[0] += 1
+            manager.save(step[0], state).wait()  # allocates its buffers, as a job's first save does
+        log(f"Python-heavy steps: idle, and while tierio (two tiers, one tier) / DCP (thread, process) save "
+            f"{nbytes >> 20} MiB; {rounds} rounds")
+        got = common.alternate({"tierio": judged(tierio_on(mgr)), "tierio_one": judged(tierio_on(one)),
+                                "dcp_thread": judged(dcp_run(AsyncCheckpointerType.THREAD)),
                                 "dcp_process": judged(dcp_run(AsyncCheckpointerType.PROCESS))}, rounds)
     med = {k: statistics.median(v) for k, v in got.items()}  # idle ÷ busy, per scenario
     ratios = {"step_during_persist_vs_idle": med["tierio"],
               "step_slowdown_vs_dcp_process": med["tierio"] / med["dcp_process"],
+              "step_one_tier_vs_dcp_process": med["tierio_one"] / med["dcp_process"],
               "step_during_dcp_thread_vs_idle": med["dcp_thread"]}
     return {"state_bytes": nbytes, "idle_vs_busy": med, "rounds": got, "cpus": os.cpu_count(),
             "background_python": background,
