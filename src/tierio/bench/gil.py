@@ -140,7 +140,8 @@ def measure(nbytes: int, work: Path, rounds: int, log: Callable[[str], None]) ->
     with _profiled_threads() as profiles, CheckpointManager(tiers, min_keep=1) as traced:
         background = _background_python(traced, state, step, profiles)
     # the timed ones run unprofiled
-    with CheckpointManager(tiers, min_keep=1) as mgr, CheckpointManager([Tier(work / "one", KeepLast(1))], min_keep=1) as one:
+    one_tier = [Tier(work / "one", KeepLast(1))]
+    with CheckpointManager(tiers, min_keep=1) as mgr, CheckpointManager(one_tier, min_keep=1) as one:
         for manager in (mgr, one):
             step[0] += 1
             manager.save(step[0], state).wait()  # allocates its buffers, as a job's first save does
