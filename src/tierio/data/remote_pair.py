@@ -25,6 +25,7 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 
 from tierio.errors import ConfigError, FormatError, NotFoundError
+from tierio.io.engine import run_windows
 from tierio.storage.base import ObjectInfo, Store
 from tierio.storage.cache import CacheOptions, FillPlan, NodeCache, Pin
 from tierio.storage.url import open_store
@@ -33,6 +34,7 @@ from tierio.units import parse_size
 BinReads = Literal["auto", "cache", "ranges"]
 DEFAULT_CACHE = "~/.cache/tierio/data"
 CHUNKS_KEPT = 4  # chunks of a ranged .bin held in memory: a sequence spans at most two
+ROWS_IN_FLIGHT = 16  # ranged GETs of one batch's rows at once: each is mostly waiting for its answer
 
 
 def is_remote(prefix: str | Path) -> bool:
@@ -200,3 +202,11 @@ class RangeTokens:
             s, e = max(lo, base), min(hi, base + len(data))
             out[s - lo : e - lo] = data[s - base : e - base]
         return np.frombuffer(out, self.dtype)
+
+    def rows(self, starts: list[int], length: int, out: np.ndarray) -> None:
+        """``out[r] = tokens[starts[r] : starts[r] + length]`` for every row, ROWS_IN_FLIGHT ranged
+        GETs at once (a shuffled batch: one request per row, overlapped)."""
+        def one(r: int) -> None:
+            out[r] = self[starts[r] : starts[r] + length]
+
+        run_windows(range(len(starts)), one, ROWS_IN_FLIGHT)

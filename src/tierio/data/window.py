@@ -87,6 +87,9 @@ class TokenWindowDataset:
                 )
                 rows[:n] = view
                 return
+        if not isinstance(tokens, np.ndarray):  # a .bin read by ranges: the rows' requests overlap
+            tokens.rows(starts.tolist(), L, rows)
+            return
         for r, s in enumerate(starts.tolist()):  # contiguous row copies
             rows[r] = tokens[s : s + L]
 
