@@ -17,7 +17,9 @@ class LoadOptions(Options):
     """``stats`` receives bytes, seconds and CPU time; ``direct`` reads by O_DIRECT where the
     filesystem allows; ``chunk_bytes`` per request, ``depth`` in flight; ``use_gds`` (None: when
     kvikio works); ``mapped``: CPU tensors as copy-on-write views of local files; ``progress(done,
-    total)`` from the reader threads; ``strict`` (load_into): every target tensor must be in the source."""
+    total)`` from the reader threads; ``strict`` (load_into): every target tensor must be in the source;
+    ``slice_gap_bytes``: a tensor-parallel load reads through holes up to this size between the row
+    pieces of a strided slice (None: the measured default of the source's kind; 0: exactly the slice)."""
 
     ALIASES: ClassVar[dict[str, str]] = {"chunk_size": "chunk_bytes"}
 
@@ -29,6 +31,7 @@ class LoadOptions(Options):
     mapped: bool = True
     progress: Progress | None = None
     strict: bool = True
+    slice_gap_bytes: int | str | None = None
 
 
 __all__ = ["LoadOptions"]
