@@ -3,7 +3,7 @@ or remote, into CPU or GPU tensors at disk bandwidth; a local NVMe cache in fron
 
 from tierio.weights.cache import WeightCache
 from tierio.weights.into import load_into
-from tierio.weights.loader import inspect, load
+from tierio.weights.loader import first_use, inspect, load
 from tierio.weights.options import LoadOptions
 from tierio.weights.presharded import ShardReport, shard_model
 from tierio.weights.sources import ModelSource, resolve
@@ -11,4 +11,4 @@ from tierio.weights.stats import LoadIntoResult, LoadStats
 from tierio.weights.tp import Replicate, Split, TensorParallel
 
 __all__ = ["load", "load_into", "inspect", "LoadOptions", "LoadStats", "LoadIntoResult", "WeightCache", "ModelSource", "resolve",
-           "TensorParallel", "Split", "Replicate", "shard_model", "ShardReport"]
+           "TensorParallel", "Split", "Replicate", "shard_model", "ShardReport", "first_use"]

@@ -63,13 +63,13 @@ class Extent:
         return self.shard.data_offset + e.begin - self.start
 
 
-def plan_extents(shard: Shard, entries: list[TensorEntry], whole_file: bool = False) -> list[Extent]:
-    """Group a shard's wanted tensors into extents, merging ranges separated by small gaps."""
+def plan_extents(shard: Shard, entries: list[TensorEntry], whole_file: bool = False, merge_gap: int = MERGE_GAP) -> list[Extent]:
+    """Group a shard's wanted tensors into extents, merging ranges separated by at most ``merge_gap``."""
     if whole_file:
         return [Extent(shard, 0, shard.size, [e for e in entries if e.nbytes])] if shard.size else []
     base = shard.data_offset
     ranges = [ByteRange(base + e.begin, base + e.end) for e in entries]
-    regions = plan(ranges, Windowing(DEFAULT_CHUNK, DEFAULT_DEPTH, merge_gap=MERGE_GAP))
+    regions = plan(ranges, Windowing(DEFAULT_CHUNK, DEFAULT_DEPTH, merge_gap=merge_gap))
     return [Extent(shard, r.start, r.end, [entries[i] for i in r.members]) for r in regions]
 
 
@@ -197,13 +197,15 @@ def map_extents(
     depth: int = DEFAULT_DEPTH,
     hook: Hook | None = None,
     counters: Counters | None = None,
+    touch: bool = False,
 ) -> list[FileMapping]:
     """Map every (local) extent privately and populate it through the page cache, a few large
     windows at a time (the ``mapped`` load mode).
 
     Windows of at least MAP_CHUNK with at most MAP_DEPTH in flight (io.mapping says why). The
     window is a whole multiple of ``chunk_size``
-    so that a hook sees whole checksum windows of the weight cache."""
+    so that a hook sees whole checksum windows of the weight cache. ``touch``: every page is also
+    read once in its window's thread (io.mapping.FileMapping.touch says why)."""
     counters = counters or Counters()
     chunk_size = align_up(chunk_size) * max(1, -(-MAP_CHUNK // align_up(chunk_size)))
     depth = min(depth, MAP_DEPTH)
@@ -213,6 +215,8 @@ def map_extents(
         ext, m = extents[w.of], maps[w.of]
         rel, n = w.offset - ext.start, w.length
         m.populate(rel, n)
+        if touch:
+            m.touch(rel, n)
         counters.add("buffered_bytes", n)
         if hook is not None:
             hook(ext.shard, w.offset, m.view[rel : rel + n], n)

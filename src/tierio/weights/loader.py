@@ -15,7 +15,7 @@ import logging
 import resource
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,7 @@ from tierio.weights.stats import LoadStats
 from tierio.weights.tp import TensorParallel
 
 log = logging.getLogger(__name__)
+TOUCH = True  # measured: load + first use is faster with the pages touched in the load's windows (docs/weights.md)
 
 
 def cpu_time() -> float:
@@ -92,6 +93,8 @@ class ReadSpec:
     hook: Hook | None = None  # sees every window while it is in memory (the weight cache writes it)
     shard: TensorParallel | None = None  # one tensor-parallel rank's slices (tierio.weights.tp)
     slice_gap: int | None = None  # holes read through between a strided slice's pieces (None: by source)
+    merge_gap: int = engine.MERGE_GAP  # holes between wanted tensors read through rather than skipped
+    touch: bool = TOUCH  # mapped loads: read every page once inside the windows (engine.map_extents)
 
 
 @dataclass
@@ -224,15 +227,19 @@ def _load_sliced(src: ModelSource, opts: ReadSpec, stats: LoadStats) -> dict[str
     assert opts.shard is not None
     spec = sliced.with_rules(opts.shard, src)
     names = list(dict.fromkeys(opts.keys)) if opts.keys is not None else list(src.tensors())
-    selected, strided = sliced.split(src, spec, names)
-    whole = ReadSpec(**{**vars(opts), "dtype": None, "keys": None, "shard": None})
-    out = dict(_read_plan(plan_reads(src, whole, selected), src, whole, stats)) if selected else {}
-    if strided:
-        counters = sliced.read_strided(strided, chunk_size=opts.chunk_size, depth=opts.depth, direct=opts.direct,
+    how = sliced.split(src, spec, names, opts.slice_gap)
+    # the slices' holes are read through by the same measured gap as a strided slice's
+    gap = opts.slice_gap if opts.slice_gap is not None else sliced.default_gap(src.shards[0])
+    whole = ReadSpec(**{**vars(opts), "dtype": None, "keys": None, "shard": None, "merge_gap": gap})
+    out = dict(_read_plan(plan_reads(src, whole, how.selected), src, whole, stats)) if how.selected else {}
+    for name, take in how.cuts.items():
+        out[name] = sliced.cut(out[name], take)
+    if how.strided:
+        counters = sliced.read_strided(how.strided, chunk_size=opts.chunk_size, depth=opts.depth, direct=opts.direct,
                                        gap=opts.slice_gap)
-        sliced.assemble(out, strided, opts.device)
+        sliced.assemble(out, how.strided, opts.device)
         stats.add_read(counters, files=0)
-        stats.tensors += len(strided)
+        stats.tensors += len(how.strided)
     stats.extra["tp"] = f"rank {spec.rank} of {spec.size}"
     return {n: _convert(out[n], opts.dtype) for n in names}
 
@@ -245,7 +252,7 @@ def plan_reads(src: ModelSource, opts: ReadSpec, selected: dict[Shard, list[tupl
     extents: list[Extent] = []
     names: dict[tuple[int, str], str] = {}
     for shard, items in selected.items():
-        extents += engine.plan_extents(shard, [e for _, e in items], whole_file=opts.whole_files)
+        extents += engine.plan_extents(shard, [e for _, e in items], whole_file=opts.whole_files, merge_gap=opts.merge_gap)
         for name, e in items:
             names[(id(shard), e.name)] = name
     if opts.whole_files:  # the cache fill must see every byte, also of shards holding no wanted tensor
@@ -263,7 +270,7 @@ def _read_mapped(plan: ReadPlan, src: ModelSource, opts: ReadSpec, stats: LoadSt
         return None
     try:
         maps = engine.map_extents(plan.extents, chunk_size=opts.chunk_size, depth=opts.depth, hook=opts.hook,
-                                  counters=plan.counters)
+                                  counters=plan.counters, touch=opts.touch)
     except OSError as exc:  # a filesystem that cannot map files (some FUSE mounts): read instead
         log.warning("cannot map %s (%s); reading into private memory instead", src.url, exc)
         return None
@@ -364,6 +371,19 @@ def _read_gds(plan: ReadPlan, dev_bufs: list[torch.Tensor], opts: ReadSpec, stat
     return True
 
 
+def first_use(tensors: Mapping[str, torch.Tensor], stats: LoadStats | None = None) -> float:
+    """One pass over every tensor, one read per page: what a server's first forward pass (or copy
+    to the device) meets first. Returns its seconds and adds them to ``stats.first_use_seconds``."""
+    t0 = time.perf_counter()
+    for t in tensors.values():
+        if t.numel() and t.device.type == "cpu":
+            t.reshape(-1).view(torch.uint8)[::4096].sum()
+    seconds = time.perf_counter() - t0
+    if stats is not None:
+        stats.first_use_seconds += seconds
+    return seconds
+
+
 # -- inspect -----------------------------------------------------------------------------------
 def inspect(source: str | Any) -> dict[str, Any]:
     """Shards, tensors (dtype, shape, bytes) and totals of a source, from headers only."""
@@ -379,4 +399,4 @@ def inspect(source: str | Any) -> dict[str, Any]:
     }
 
 
-__all__ = ["LoadOptions", "LoadStats", "ReadSpec", "Timer", "as_device", "copy_to_device", "inspect", "load", "load_resolved"]
+__all__ = ["LoadOptions", "LoadStats", "ReadSpec", "Timer", "as_device", "copy_to_device", "first_use", "inspect", "load", "load_resolved"]

@@ -83,23 +83,58 @@ class Strided:
         return np.stack([file_off, length, dest_off], axis=1)
 
 
-def split(src: ModelSource, spec: TensorParallel, names: Iterable[str]) -> tuple[dict[Shard, list[tuple[str, TensorEntry]]], list[Strided]]:
-    """The tensors ``names`` for ``spec``'s rank: read as entries (whole or contiguous slices) and strided slices."""
+def smallest_hole(e: TensorEntry, take: Take) -> int:
+    """The fewest bytes between two pieces of a strided slice in the file."""
+    inner = math.prod(e.shape[take.dim + 1 :]) * itemsize(e.dtype)
+    starts, ends = [a * inner for a, _ in take.ranges], [b * inner for _, b in take.ranges]
+    holes = [s - t for s, t in zip(starts[1:], ends[:-1])]
+    if math.prod(e.shape[: take.dim]) > 1:
+        holes.append(e.shape[take.dim] * inner - ends[-1] + starts[0])
+    return min(holes, default=0)
+
+
+def default_gap(shard: Shard) -> int:
+    return LOCAL_GAP if shard.path is not None else REMOTE_GAP
+
+
+@dataclass
+class Split:
+    """How a rank's tensors are read: entries by shard (whole, contiguous slices, and whole tensors
+    to cut after the read), the cuts, and the strided slices read by pieces."""
+
+    selected: dict[Shard, list[tuple[str, TensorEntry]]]
+    cuts: dict[str, Take]
+    strided: list[Strided]
+
+
+def split(src: ModelSource, spec: TensorParallel, names: Iterable[str], gap: int | None = None) -> Split:
+    """The tensors ``names`` for ``spec``'s rank. A strided slice whose pieces lie at most ``gap``
+    apart is read whole with the other entries and cut after (one larger read plus a copy);
+    one with larger holes is read by pieces."""
     table = src.tensors()
     selected: dict[int, list[tuple[str, TensorEntry]]] = {}
     shards: dict[int, Shard] = {}
-    strided: list[Strided] = []
+    out = Split({}, {}, [])
     for name in names:
         if name not in table:
             raise NotFoundError(f"{src.url} has no tensor {name!r}; `tierio weights inspect` lists them")
         shard, e = table[name]
         take = spec.take(name, e.shape)
         if take is not None and not take.contiguous(e.shape):
-            strided.append(Strided(name, shard, e, take))
-            continue
+            if smallest_hole(e, take) > (default_gap(shard) if gap is None else gap):
+                out.strided.append(Strided(name, shard, e, take))
+                continue
+            out.cuts[name], take = take, None
         selected.setdefault(id(shard), []).append((name, e if take is None else narrowed(e, take)))
         shards[id(shard)] = shard
-    return {shards[i]: sorted(v, key=lambda t: t[1].begin) for i, v in selected.items()}, strided
+    out.selected = {shards[i]: sorted(v, key=lambda t: t[1].begin) for i, v in selected.items()}
+    return out
+
+
+def cut(t: torch.Tensor, take: Take) -> torch.Tensor:
+    """A rank's part of a whole tensor, contiguous (a copy)."""
+    parts = [t.narrow(take.dim, a, b - a) for a, b in take.ranges]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, take.dim)).contiguous()
 
 
 def read_strided(items: list[Strided], *, chunk_size: int, depth: int, direct: bool, gap: int | None = None) -> Counters:
@@ -110,7 +145,7 @@ def read_strided(items: list[Strided], *, chunk_size: int, depth: int, direct: b
         if it.dest is None:
             it.dest = torch.empty(it.take.shape(it.entry.shape), dtype=torch_dtype(it.entry.dtype))
         p = it.pieces()
-        g = (LOCAL_GAP if it.shard.path is not None else REMOTE_GAP) if gap is None else gap
+        g = default_gap(it.shard) if gap is None else gap
         dest = it.dest.reshape(-1).view(torch.uint8).numpy()
         for r in plan([ByteRange(int(a), int(a + n)) for a, n, _ in p], Windowing(chunk_size, depth, merge_gap=g)):
             ext = Extent(it.shard, r.start, r.end)
@@ -173,4 +208,4 @@ def assemble(out: dict[str, torch.Tensor], strided: list[Strided], device: torch
         out[it.name] = it.dest if device.type == "cpu" else it.dest.to(device)
 
 
-__all__ = ["LOCAL_GAP", "REMOTE_GAP", "Strided", "assemble", "narrowed", "fill_targets", "read_strided", "split", "targets", "with_rules"]
+__all__ = ["LOCAL_GAP", "REMOTE_GAP", "Split", "Strided", "assemble", "cut", "smallest_hole", "narrowed", "fill_targets", "read_strided", "split", "targets", "with_rules"]
