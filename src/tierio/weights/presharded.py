@@ -23,7 +23,7 @@ import torch
 from tierio.errors import ConfigError, FormatError, IntegrityError
 from tierio.format.safetensors import build_header
 from tierio.io.checksum import StreamingChecksum, xxh3
-from tierio.io.untrusted import Fields, check_hex, check_plain_name, read_json_file
+from tierio.io.untrusted import Fields, check_hex, check_plain_name, parser, read_json_file
 from tierio.stats import Stats
 from tierio.storage.local import LocalStore
 from tierio.weights.record import SUM_WINDOW, CacheRecord, FileRecord
@@ -118,6 +118,7 @@ class RankFile:
     record: CacheRecord  # its window checksums, as weights.record checks them
 
 
+@parser
 def parse_index(raw_doc: object, where: str, root: Path, spec: TensorParallel) -> RankFile:
     """The index's entry for ``spec``'s rank; ConfigError for another TP degree, FormatError when damaged."""
     f = Fields(raw_doc, where)
@@ -174,4 +175,4 @@ def is_presharded(source: object) -> Path | None:
     p = Path(str(source).removeprefix("file://")).expanduser()
     return p if (p / INDEX).is_file() else None
 
-__all__ = ["INDEX", "ShardReport", "is_presharded", "open_rank", "rank_file", "shard_model"]
+__all__ = ["INDEX", "ShardReport", "is_presharded", "open_rank", "parse_index", "rank_file", "shard_model"]

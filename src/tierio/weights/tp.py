@@ -178,12 +178,14 @@ def llama_rules(config: Mapping[str, Any]) -> list[tuple[str, Rule]]:
 
 def preset(config: Mapping[str, Any]) -> list[tuple[str, Rule]]:
     """The rules for a model from its config.json (chosen by "architectures")."""
+    if not isinstance(config, Mapping):
+        raise ConfigError("config.json is not a JSON object; pass rules= explicitly")
     archs = config.get("architectures")
     if not isinstance(archs, list) or not archs:
         raise ConfigError("config.json has no 'architectures' list to choose tensor-parallel rules by; pass rules= explicitly")
-    if any(a in LLAMA_FAMILY for a in archs):
+    if any(isinstance(a, str) and a in LLAMA_FAMILY for a in archs):
         return llama_rules(config)
-    raise ConfigError(f"no tensor-parallel preset for architectures {archs[:3]} (known: {', '.join(sorted(LLAMA_FAMILY))}); "
+    raise ConfigError(f"no tensor-parallel preset for architectures {str(archs[:3])[:200]} (known: {', '.join(sorted(LLAMA_FAMILY))}); "
                       "pass rules=[(pattern, Split(dim) | Replicate()), ...]")
 
 
