@@ -10,6 +10,8 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
@@ -214,3 +216,36 @@ def test_presharded_directory_loads_each_rank_and_refuses_what_does_not_match(tm
     with pytest.raises(IntegrityError, match="tp-rank-00001-of-00002.safetensors is missing"):
         load(out, shard=TensorParallel(1, 2))
     assert load_file(str(out / "tp-rank-00000-of-00002.safetensors"))  # rank files are plain safetensors
+
+
+def _mesh_worker(rank: int, root: str, init: str) -> None:
+    """A rank of a 2-way gloo group: its place on the mesh picks its slices, which reassemble as
+    DTensors into the whole tensors (the slices follow the placements), pre-sharded or not."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    import tierio.weights as weights
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        spec = weights.TensorParallel.from_mesh(mesh)
+        assert (spec.rank, spec.size) == (rank, 2)
+        whole = load_file(os.path.join(root, "m", "model-00001-of-00002.safetensors"))
+        whole.update(load_file(os.path.join(root, "m", "model-00002-of-00002.safetensors")))
+        for source in ("m", "tp2"):
+            got = weights.load(os.path.join(root, source), shard=spec)
+            for name, local in got.items():
+                take = weights.TensorParallel(rank, 2, weights.tp.llama_rules(
+                    {"num_attention_heads": H, "num_key_value_heads": KV})).take(name, tuple(whole[name].shape))
+                placement = DReplicate() if take is None else DShard(take.dim)
+                full = DTensor.from_local(local, mesh, [placement], run_check=False).full_tensor()
+                assert torch.equal(full, whole[name]), (source, name)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_of_a_gloo_mesh_load_slices_that_reassemble_as_dtensors(tmp_path):
+    _model(tmp_path / "m")
+    shard_model(tmp_path / "m", tmp_path / "tp2", 2)
+    tmp.start_processes(_mesh_worker, args=(str(tmp_path), f"file://{tmp_path}/pg"), nprocs=2, start_method="spawn", join=True)
