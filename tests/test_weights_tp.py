@@ -249,3 +249,58 @@ def test_ranks_of_a_gloo_mesh_load_slices_that_reassemble_as_dtensors(tmp_path):
     _model(tmp_path / "m")
     shard_model(tmp_path / "m", tmp_path / "tp2", 2)
     tmp.start_processes(_mesh_worker, args=(str(tmp_path), f"file://{tmp_path}/pg"), nprocs=2, start_method="spawn", join=True)
+
+
+def _group_worker(rank: int, root: str, init: str, out: str) -> None:
+    """A rank of a 3-way gloo group: a cooperative load of every tensor and of TP slices, each
+    rank reading about a third of the bytes; then rank 2 dies by SIGKILL in a second load."""
+    import signal
+
+    import tierio.weights as weights
+    from tierio.errors import GroupError
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=3)
+    result: dict = {}
+    try:
+        d = os.path.join(root, "m")
+        st = weights.LoadStats()
+        got = weights.load_group(d, stats=st, chunk_bytes="64KiB")
+        result["whole_ok"] = sorted(got) == sorted(load(d)) and all(torch.equal(got[k], v) for k, v in load(d).items())
+        result["bytes"] = st.bytes
+        spec = TensorParallel(rank % 2, 2)
+        got = weights.load_group(d, shard=spec, chunk_bytes="64KiB")
+        want = load(d, shard=spec)
+        result["tp_ok"] = sorted(got) == sorted(want) and all(torch.equal(got[k], v) for k, v in want.items())
+        dist.barrier()
+
+        def die(done: int, total: int) -> None:
+            if rank == 2 and done > 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        try:
+            weights.load_group(d, chunk_bytes="64KiB", progress=die, group_timeout=60)
+        except GroupError as exc:
+            result["error"] = str(exc)
+    finally:
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        os._exit(0)  # the group lost a rank: no collective teardown
+
+
+def test_group_load_reads_each_byte_once_and_names_a_killed_rank(tmp_path):
+    import multiprocessing as mp
+
+    t = _model(tmp_path / "m")
+    stream = sum(x.numel() * x.element_size() for x in t.values())
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_group_worker, args=(r, str(tmp_path), f"file://{tmp_path}/pg", str(tmp_path))) for r in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert [p.exitcode for p in procs] == [0, 0, -9]
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in res:
+        assert r["whole_ok"] and r["tp_ok"]
+        assert r["bytes"] <= stream / 3 + 64 * 1024  # its third of the windows, no more
+        assert "rank(s) [2] of the group stopped answering" in r["error"]

@@ -144,15 +144,6 @@ class FileMapping:
                 raise OSError(err, os.strerror(err), str(self.path))
         np.frombuffer(self.view, np.uint8, count=length, offset=offset)[::ALIGN].sum()  # kernels before 5.14: touch
 
-    def touch(self, offset: int, length: int) -> None:
-        """Read one byte of every page of [offset, offset+length) from this thread. On a virtual
-        machine a populated page may still cost its first CPU access (the host backs it then);
-        touching it here, in a reader thread, takes that cost off the caller's first use."""
-        length = min(length, self.nbytes - offset)
-        if length > 0:
-            lead = offset % mmap.PAGESIZE  # from the page start: one read per page
-            np.frombuffer(self.view, np.uint8, count=length + lead, offset=offset - lead)[::mmap.PAGESIZE].sum()
-
     def tensor(self):
         import torch
 

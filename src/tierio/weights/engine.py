@@ -197,15 +197,13 @@ def map_extents(
     depth: int = DEFAULT_DEPTH,
     hook: Hook | None = None,
     counters: Counters | None = None,
-    touch: bool = False,
 ) -> list[FileMapping]:
     """Map every (local) extent privately and populate it through the page cache, a few large
     windows at a time (the ``mapped`` load mode).
 
     Windows of at least MAP_CHUNK with at most MAP_DEPTH in flight (io.mapping says why). The
     window is a whole multiple of ``chunk_size``
-    so that a hook sees whole checksum windows of the weight cache. ``touch``: every page is also
-    read once in its window's thread (io.mapping.FileMapping.touch says why)."""
+    so that a hook sees whole checksum windows of the weight cache."""
     counters = counters or Counters()
     chunk_size = align_up(chunk_size) * max(1, -(-MAP_CHUNK // align_up(chunk_size)))
     depth = min(depth, MAP_DEPTH)
@@ -215,8 +213,6 @@ def map_extents(
         ext, m = extents[w.of], maps[w.of]
         rel, n = w.offset - ext.start, w.length
         m.populate(rel, n)
-        if touch:
-            m.touch(rel, n)
         counters.add("buffered_bytes", n)
         if hook is not None:
             hook(ext.shard, w.offset, m.view[rel : rel + n], n)

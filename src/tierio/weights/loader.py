@@ -35,7 +35,6 @@ from tierio.weights.stats import LoadStats
 from tierio.weights.tp import TensorParallel
 
 log = logging.getLogger(__name__)
-TOUCH = True  # measured: load + first use is faster with the pages touched in the load's windows (docs/weights.md)
 
 
 def cpu_time() -> float:
@@ -94,7 +93,6 @@ class ReadSpec:
     shard: TensorParallel | None = None  # one tensor-parallel rank's slices (tierio.weights.tp)
     slice_gap: int | None = None  # holes read through between a strided slice's pieces (None: by source)
     merge_gap: int = engine.MERGE_GAP  # holes between wanted tensors read through rather than skipped
-    touch: bool = TOUCH  # mapped loads: read every page once inside the windows (engine.map_extents)
 
 
 @dataclass
@@ -270,7 +268,7 @@ def _read_mapped(plan: ReadPlan, src: ModelSource, opts: ReadSpec, stats: LoadSt
         return None
     try:
         maps = engine.map_extents(plan.extents, chunk_size=opts.chunk_size, depth=opts.depth, hook=opts.hook,
-                                  counters=plan.counters, touch=opts.touch)
+                                  counters=plan.counters)
     except OSError as exc:  # a filesystem that cannot map files (some FUSE mounts): read instead
         log.warning("cannot map %s (%s); reading into private memory instead", src.url, exc)
         return None
