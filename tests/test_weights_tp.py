@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import timedelta
 import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
@@ -218,48 +218,42 @@ def test_presharded_directory_loads_each_rank_and_refuses_what_does_not_match(tm
     assert load_file(str(out / "tp-rank-00000-of-00002.safetensors"))  # rank files are plain safetensors
 
 
-def _mesh_worker(rank: int, root: str, init: str) -> None:
-    """A rank of a 2-way gloo group: its place on the mesh picks its slices, which reassemble as
-    DTensors into the whole tensors (the slices follow the placements), pre-sharded or not."""
-    from torch.distributed.device_mesh import init_device_mesh
+def _mesh_check(rank: int, root: str) -> bool:
+    """On a 2-rank device mesh: the rank's slices, pre-sharded or not, reassemble as DTensors placed
+    by the rules into the whole tensors (the slices follow the DTensor placements)."""
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
     import tierio.weights as weights
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    try:
-        mesh = init_device_mesh("cpu", (2,))
-        spec = weights.TensorParallel.from_mesh(mesh)
-        assert (spec.rank, spec.size) == (rank, 2)
-        whole = load_file(os.path.join(root, "m", "model-00001-of-00002.safetensors"))
-        whole.update(load_file(os.path.join(root, "m", "model-00002-of-00002.safetensors")))
-        for source in ("m", "tp2"):
-            got = weights.load(os.path.join(root, source), shard=spec)
-            for name, local in got.items():
-                take = weights.TensorParallel(rank, 2, weights.tp.llama_rules(
-                    {"num_attention_heads": H, "num_key_value_heads": KV})).take(name, tuple(whole[name].shape))
-                placement = DReplicate() if take is None else DShard(take.dim)
-                full = DTensor.from_local(local, mesh, [placement], run_check=False).full_tensor()
-                assert torch.equal(full, whole[name]), (source, name)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_ranks_of_a_gloo_mesh_load_slices_that_reassemble_as_dtensors(tmp_path):
-    _model(tmp_path / "m")
-    shard_model(tmp_path / "m", tmp_path / "tp2", 2)
-    tmp.start_processes(_mesh_worker, args=(str(tmp_path), f"file://{tmp_path}/pg"), nprocs=2, start_method="spawn", join=True)
+    sub = dist.new_group([0, 1])
+    if rank >= 2:
+        return True
+    mesh = DeviceMesh.from_group(sub, "cpu")
+    spec = weights.TensorParallel.from_mesh(mesh)
+    assert (spec.rank, spec.size) == (rank, 2)
+    whole = {**load_file(os.path.join(root, "m", "model-00001-of-00002.safetensors")),
+             **load_file(os.path.join(root, "m", "model-00002-of-00002.safetensors"))}
+    rules = weights.tp.llama_rules({"num_attention_heads": H, "num_key_value_heads": KV})
+    for source in ("m", "tp2"):
+        for name, local in weights.load(os.path.join(root, source), shard=spec).items():
+            take = TensorParallel(rank, 2, rules).take(name, tuple(whole[name].shape))
+            placement = DReplicate() if take is None else DShard(take.dim)
+            full = DTensor.from_local(local, mesh, [placement], run_check=False).full_tensor()
+            assert torch.equal(full, whole[name]), (source, name)
+    return True
 
 
 def _group_worker(rank: int, root: str, init: str, out: str) -> None:
     """A rank of a 3-way gloo group: a cooperative load of every tensor and of TP slices, each
-    rank reading about a third of the bytes; then rank 2 dies by SIGKILL in a second load."""
+    rank reading about a third of the bytes; TP slices on a device mesh of two of the ranks; then
+    rank 2 dies by SIGKILL in a cooperative load."""
     import signal
 
     import tierio.weights as weights
     from tierio.errors import GroupError
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=3)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=3, timeout=timedelta(seconds=60))
     result: dict = {}
     try:
         d = os.path.join(root, "m")
@@ -271,6 +265,7 @@ def _group_worker(rank: int, root: str, init: str, out: str) -> None:
         got = weights.load_group(d, shard=spec, chunk_bytes="64KiB")
         want = load(d, shard=spec)
         result["tp_ok"] = sorted(got) == sorted(want) and all(torch.equal(got[k], v) for k, v in want.items())
+        result["mesh_ok"] = _mesh_check(rank, root)
         dist.barrier()
 
         def die(done: int, total: int) -> None:
@@ -278,19 +273,23 @@ def _group_worker(rank: int, root: str, init: str, out: str) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         try:
-            weights.load_group(d, chunk_bytes="64KiB", progress=die, group_timeout=60)
+            weights.load_group(d, chunk_bytes="64KiB", progress=die)
         except GroupError as exc:
             result["error"] = str(exc)
+    except Exception:  # reported by the test, which reads the file
+        import traceback
+        result["unexpected"] = traceback.format_exc()[-1500:]
     finally:
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
         os._exit(0)  # the group lost a rank: no collective teardown
 
 
-def test_group_load_reads_each_byte_once_and_names_a_killed_rank(tmp_path):
+def test_gloo_group_load_reads_each_byte_once_mesh_slices_reassemble_and_a_killed_rank_is_named(tmp_path):
     import multiprocessing as mp
 
     t = _model(tmp_path / "m")
+    shard_model(tmp_path / "m", tmp_path / "tp2", 2)
     stream = sum(x.numel() * x.element_size() for x in t.values())
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_group_worker, args=(r, str(tmp_path), f"file://{tmp_path}/pg", str(tmp_path))) for r in range(3)]
@@ -301,6 +300,6 @@ def test_group_load_reads_each_byte_once_and_names_a_killed_rank(tmp_path):
     assert [p.exitcode for p in procs] == [0, 0, -9]
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in res:
-        assert r["whole_ok"] and r["tp_ok"]
+        assert r["whole_ok"] and r["tp_ok"] and r["mesh_ok"]
         assert r["bytes"] <= stream / 3 + 64 * 1024  # its third of the windows, no more
         assert "rank(s) [2] of the group stopped answering" in r["error"]

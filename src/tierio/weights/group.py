@@ -8,9 +8,10 @@ checksum, reads a part that fails again from the source itself, and copies out o
 it keeps: whole tensors, or with ``shard=`` its tensor-parallel slices (cut when a tensor is
 complete, so at most a window and the tensors crossing it are held beyond what is kept).
 
-A rank that dies or stops answering: the collectives run on a group made with ``group_timeout``
-as its deadline, and every rank stamps a key of the group's store twice a second, so the others
-raise a GroupError naming the ranks whose stamps stopped, within the deadline.
+A rank that dies breaks its connections at once; one that stops answering is given up after the
+process group's timeout (``init_process_group(timeout=...)``). Every rank stamps a key of the
+group's store twice a second, so the others raise a GroupError naming the ranks whose stamps
+stopped.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -126,16 +126,15 @@ class Liveness:
         self._thread.join(timeout=2 * STAMP_S)
 
 
-def _group(group: Any, timeout: float) -> tuple[Any, Any, str]:
-    """(a group over the same ranks with ``timeout`` as its deadline, the store, a key prefix)."""
+def _group(group: Any) -> tuple[Any, Any, str]:
+    """(the group, the store, a key prefix for this load agreed by every rank)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    sub = dist.new_group(ranks, timeout=timedelta(seconds=timeout), backend="gloo", use_local_synchronization=True)
+    group = group if group is not None else dist.group.WORLD
     tag = torch.tensor([time.time_ns() & ((1 << 62) - 1)])
-    dist.broadcast(tag, ranks[0], group=sub)  # one key prefix for this load on every rank
-    return sub, distributed_c10d._get_default_store(), f"tierio/weights-group/{int(tag)}"
+    dist.broadcast(tag, dist.get_global_rank(group, 0), group=group)
+    return group, distributed_c10d._get_default_store(), f"tierio/weights-group/{int(tag)}"
 
 
 def load_group(source: str | Any, group: Any = None, shard: TensorParallel | None = None, keys: list[str] | None = None,
@@ -143,7 +142,7 @@ def load_group(source: str | Any, group: Any = None, shard: TensorParallel | Non
     """Load ``source`` on every rank of ``group`` (default: the world) reading each byte from the
     source once between them; each rank keeps every tensor, or with ``shard=`` its slices.
     Collective: every rank of the group calls it. ``options`` as for :func:`load` (``chunk_bytes``
-    per rank per window, ``group_timeout`` the deadline); ``stats.remote_bytes`` (or
+    per rank per window); the group's timeout bounds every wait; ``stats.remote_bytes`` (or
     ``buffered_bytes``) counts what this rank read from the source."""
     import torch.distributed as dist
 
@@ -152,7 +151,7 @@ def load_group(source: str | Any, group: Any = None, shard: TensorParallel | Non
     with Timer(stats):
         src = source if isinstance(source, ModelSource) else resolve(source)
         spec = with_rules(shard, src) if shard is not None else None
-        sub, store, prefix = _group(group, o.group_timeout)
+        sub, store, prefix = _group(group)
         rank, size = dist.get_rank(sub), dist.get_world_size(sub)
         live = Liveness(store, prefix, rank, size)
         counters = Counters(progress=o.progress)

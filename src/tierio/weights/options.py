@@ -19,8 +19,7 @@ class LoadOptions(Options):
     kvikio works); ``mapped``: CPU tensors as copy-on-write views of local files; ``progress(done,
     total)`` from the reader threads; ``strict`` (load_into): every target tensor must be in the source;
     ``slice_gap_bytes``: a tensor-parallel load reads through holes up to this size between the row
-    pieces of a strided slice (None: the measured default of the source's kind; 0: exactly the slice); ``group_timeout``: seconds a
-    cooperative load (``load_group``) waits for the other ranks before it names the ones gone."""
+    pieces of a strided slice (None: the measured default of the source's kind; 0: exactly the slice)."""
 
     ALIASES: ClassVar[dict[str, str]] = {"chunk_size": "chunk_bytes"}
 
@@ -33,7 +32,6 @@ class LoadOptions(Options):
     progress: Progress | None = None
     strict: bool = True
     slice_gap_bytes: int | str | None = None
-    group_timeout: float = 300.0
 
 
 __all__ = ["LoadOptions"]
