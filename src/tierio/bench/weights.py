@@ -48,6 +48,8 @@ TARGETS = {
     "first_use_vs_safetensors": (">=", 1.2),
     "tp_busiest_rank_bytes_vs_slice": ("<=", 1.1),
     "tp_load_vs_full_then_slice": (">=", 2.5),
+    "group_source_bytes_vs_model": ("<=", 1.02),
+    "group_load_vs_independent": (">=", 2.0),
 }
 
 
@@ -213,6 +215,11 @@ def run(args) -> dict:
             extra.update(tp_extra)
         res["extra_ratios"] = {k: round(v, 3) for k, v in extra.items()}
 
+        if not args.no_s3 and not args.no_group:
+            from tierio.bench.weights_group import run_group
+
+            res["group"], group_ratios = run_group(work / "group", model, args.repeat)
+            ratios.update(group_ratios)
         if not args.no_s3:
             res["s3"] = s3 = _bench_s3(work, model, nbytes, args.repeat)
             ratios["s3_cold_vs_download_then_load"] = s3["download_then_load_seconds"] / s3["cache_cold_seconds"]

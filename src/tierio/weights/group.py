@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ import torch
 from tierio.errors import GroupError
 from tierio.format.safetensors import TensorEntry, torch_dtype
 from tierio.io.checksum import xxh3_int
+from tierio.io.engine import settle_all, submit
 from tierio.weights.engine import Counters, ShardReader
 from tierio.weights.loader import Timer, as_device
 from tierio.weights.options import LoadOptions
@@ -177,28 +179,41 @@ def load_group(source: str | Any, group: Any = None, shard: TensorParallel | Non
 
 def _exchange(stream: Stream, wanted: list[Wanted], group: Any, rank: int, size: int, chunk: int,
               stats: LoadStats) -> dict[str, torch.Tensor]:
-    """Read this rank's part of every window, exchange, verify, keep."""
+    """Read this rank's part of every window (the next one while this one is exchanged), exchange,
+    verify, keep."""
     import torch.distributed as dist
 
-    mine = torch.empty(chunk, dtype=torch.uint8)
+    mine = [torch.empty(chunk, dtype=torch.uint8) for _ in range(2)]
     parts = [torch.empty(chunk, dtype=torch.uint8) for _ in range(size)]
     sums = [torch.zeros(2, dtype=torch.int64) for _ in range(size)]
     out: dict[str, torch.Tensor] = {}
-    nxt = 0
-    for w0 in range(0, stream.size, chunk * size):
-        lo = min(w0 + rank * chunk, stream.size)
+    starts = list(range(0, stream.size, chunk * size))
+
+    def read(k: int) -> torch.Tensor:
+        lo = min(starts[k] + rank * chunk, stream.size)
         hi = min(lo + chunk, stream.size)
-        stream.read(lo, hi, mine)
-        dist.all_gather(sums, torch.tensor([hi - lo, _signed(xxh3_int(memoryview(mine.numpy())[: hi - lo]))]), group=group)
-        dist.all_gather(parts, mine, group=group)
-        for r in range(size):
-            n, want = int(sums[r][0]), int(sums[r][1])
-            if _signed(xxh3_int(memoryview(parts[r].numpy())[:n])) != want:  # damaged on its way: read it here
-                a = w0 + r * chunk
-                stream.read(a, a + n, parts[r])
-                stats.extra["parts_read_again"] = stats.extra.get("parts_read_again", 0) + 1
-        end = min(w0 + chunk * size, stream.size)
-        nxt = _deliver(wanted, nxt, parts, w0, end, chunk, out)
+        stream.read(lo, hi, mine[k % 2])
+        return torch.tensor([hi - lo, _signed(xxh3_int(memoryview(mine[k % 2].numpy())[: hi - lo]))])
+
+    nxt = 0
+    pending = submit(partial(read, 0)) if starts else None
+    try:
+        for k, w0 in enumerate(starts):
+            assert pending is not None
+            mine_sum = pending.result()
+            pending = submit(partial(read, k + 1)) if k + 1 < len(starts) else None
+            dist.all_gather(sums, mine_sum, group=group)
+            dist.all_gather(parts, mine[k % 2], group=group)
+            for r in range(size):
+                n, want = int(sums[r][0]), int(sums[r][1])
+                if _signed(xxh3_int(memoryview(parts[r].numpy())[:n])) != want:  # damaged on its way: read it here
+                    a = w0 + r * chunk
+                    stream.read(a, a + n, parts[r])
+                    stats.extra["parts_read_again"] = stats.extra.get("parts_read_again", 0) + 1
+            nxt = _deliver(wanted, nxt, parts, w0, min(w0 + chunk * size, stream.size), chunk, out)
+    finally:
+        if pending is not None:
+            settle_all([pending])
     for w in wanted[nxt:]:  # empty tensors at the very end own no bytes of any window
         if w.name not in out:
             _finish(w, out)
