@@ -21,6 +21,7 @@ examples:
   tierio weights inspect ./llama/ --tensors              every tensor, not only the first 20
   tierio weights load ./llama/ --tp 4 --rank 1           rank 1's tensor-parallel slices only (rules from config.json)
   tierio weights shard ./llama/ ./llama-tp4 --tp 4       one file per rank; then: load ./llama-tp4 --tp 4 --rank 1
+  torchrun --nproc-per-node 4 -m tierio weights load "s3://models/llama?endpoint=..." --group
   tierio weights fetch "s3://models/llama?endpoint=http://127.0.0.1:8333" --cache-dir /nvme/weights
   tierio weights load "s3://models/llama?endpoint=http://127.0.0.1:8333" --cache-dir /nvme/weights --device cuda
   tierio weights cache --cache-dir /nvme/weights         what the cache holds, least recently used first
@@ -105,7 +106,9 @@ def cmd_load(args) -> int:
     cold = _drop_page_cache(args.source) if args.cold else None
     shard = _tp(args)
     with byte_progress("loading", quiet=args.json) as progress:
-        if shard is not None:
+        if args.group:
+            tensors = _load_group(args, dtype, keys, shard, stats, progress)
+        elif shard is not None:
             tensors = load(args.source, device=args.device, dtype=dtype, keys=keys, stats=stats, shard=shard,
                            direct=not args.buffered, mapped=mapped, progress=progress)
         elif args.cache or args.via_cache:
@@ -123,6 +126,25 @@ def cmd_load(args) -> int:
     else:
         print_table("weights load", ["", "value"], _stats_rows(d))
     return 0
+
+
+def _load_group(args, dtype, keys, shard, stats, progress):
+    """A cooperative load over the torchrun world (gloo): each byte read from the source once."""
+    import torch.distributed as dist
+
+    from tierio.weights import TensorParallel, load_group
+
+    if args.device != "cpu" or args.cache or args.via_cache:
+        raise ConfigError("--group loads into CPU memory from the source: drop --device/--cache-dir")
+    if "RANK" not in os.environ:
+        raise ConfigError("--group needs torchrun (RANK, WORLD_SIZE, MASTER_ADDR in the environment): "
+                          "torchrun --nproc-per-node N -m tierio weights load SOURCE --group")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    if shard is not None and args.rank is None:  # each rank of the group takes its own slices
+        shard = TensorParallel(dist.get_rank() % args.tp, args.tp)
+    tensors = load_group(args.source, keys=keys, shard=shard, stats=stats, progress=progress)
+    return {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in tensors.items()}
 
 
 def _tp(args):
@@ -246,7 +268,10 @@ def register(sub) -> None:
     q.add_argument("--buffered", action="store_true", help="like --private, but read through the page cache (never O_DIRECT)")
     q.add_argument("--tp", type=int, metavar="N", help="load one tensor-parallel rank's slices of an N-way group "
                    "(rules chosen from config.json; a directory written by `weights shard` reads only the rank's file)")
-    q.add_argument("--rank", type=int, metavar="R", help="the tensor-parallel rank to load with --tp (default 0)")
+    q.add_argument("--rank", type=int, metavar="R", help="the tensor-parallel rank to load with --tp "
+                   "(default 0; with --group, the process's rank modulo N)")
+    q.add_argument("--group", action="store_true", help="under torchrun: a cooperative load, each rank reading a "
+                   "disjoint part from the source and exchanging it over the group (gloo)")
     common(q)
     q.set_defaults(handler=cmd_load)
 
