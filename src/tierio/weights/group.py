@@ -173,6 +173,8 @@ def load_group(source: str | Any, group: Any = None, shard: TensorParallel | Non
         stats.bytes = counters.direct_bytes + counters.buffered_bytes + counters.remote_bytes
         stats.tensors += len(out)
         stats.extra["group"] = f"rank {rank} of {size}"
+        if spec is not None:
+            stats.extra["tp"] = f"rank {spec.rank} of {spec.size}"
     dev = as_device("cpu")
     return {k: v.to(dev) for k, v in out.items()}
 
