@@ -160,8 +160,8 @@ def load(
 
     ``keys`` limits the load to those tensors (only their byte ranges are read); ``dtype``
     converts floating-point tensors; ``shard`` (a :class:`~tierio.weights.tp.TensorParallel`)
-    loads one tensor-parallel rank's part of every tensor, reading only its byte ranges; ``options`` (or keyword overrides of its fields, see
-    :class:`LoadOptions`): ``stats`` (a LoadStats) receives bytes, seconds and CPU time;
+    loads one tensor-parallel rank's part of every tensor, reading only its byte ranges;
+    ``options`` (or keyword overrides of its fields, see :class:`LoadOptions`): ``stats`` (a LoadStats) receives bytes, seconds and CPU time;
     ``progress(done, total)`` is called from the reader threads as each window of bytes lands.
 
     ``mapped`` chooses the memory CPU tensors of local files live in. ``True`` (default):

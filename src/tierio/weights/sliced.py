@@ -44,7 +44,8 @@ def with_rules(spec: TensorParallel, src: ModelSource) -> TensorParallel:
         return spec
     raw = read_small_file(src, "config.json", CONFIG_LIMIT)
     if raw is None:
-        raise ConfigError(f"{src.url} has no config.json to choose tensor-parallel rules from; pass TensorParallel(rank, size, rules=...)")
+        raise ConfigError(f"{src.url} has no config.json to choose tensor-parallel rules from; "
+                          "pass TensorParallel(rank, size, rules=...)")
     config = loads(raw, f"{src.url}/config.json", limit=CONFIG_LIMIT)
     if not isinstance(config, dict):
         raise ConfigError(f"{src.url}/config.json is not a JSON object; pass rules= explicitly")
@@ -208,4 +209,5 @@ def assemble(out: dict[str, torch.Tensor], strided: list[Strided], device: torch
         out[it.name] = it.dest if device.type == "cpu" else it.dest.to(device)
 
 
-__all__ = ["LOCAL_GAP", "REMOTE_GAP", "Split", "Strided", "assemble", "cut", "smallest_hole", "narrowed", "fill_targets", "read_strided", "split", "targets", "with_rules"]
+__all__ = ["LOCAL_GAP", "REMOTE_GAP", "Split", "Strided", "assemble", "cut", "default_gap", "fill_targets", "narrowed",
+           "read_strided", "smallest_hole", "split", "targets", "with_rules"]

@@ -107,7 +107,8 @@ def as_rule(rule: Any) -> Rule:
         return Split(int(rule.dim))
     if kind == "Replicate":
         return Replicate()
-    raise ConfigError(f"{rule!r} is not a tensor-parallel rule; use Split(dim), Replicate() or a DTensor Shard/Replicate placement")
+    raise ConfigError(f"{rule!r} is not a tensor-parallel rule; use Split(dim), Replicate() "
+                      "or a DTensor Shard/Replicate placement")
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,8 @@ def preset(config: Mapping[str, Any]) -> list[tuple[str, Rule]]:
         raise ConfigError("config.json has no 'architectures' list to choose tensor-parallel rules by; pass rules= explicitly")
     if any(isinstance(a, str) and a in LLAMA_FAMILY for a in archs):
         return llama_rules(config)
-    raise ConfigError(f"no tensor-parallel preset for architectures {str(archs[:3])[:200]} (known: {', '.join(sorted(LLAMA_FAMILY))}); "
+    raise ConfigError(f"no tensor-parallel preset for architectures {str(archs[:3])[:200]} "
+                      f"(known: {', '.join(sorted(LLAMA_FAMILY))}); "
                       "pass rules=[(pattern, Split(dim) | Replicate()), ...]")
 
 
