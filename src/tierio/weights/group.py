@@ -29,7 +29,7 @@ from tierio.format.safetensors import TensorEntry, torch_dtype
 from tierio.io.checksum import xxh3_int
 from tierio.io.engine import settle_all, submit
 from tierio.weights.engine import Counters, ShardReader
-from tierio.weights.loader import Timer, as_device
+from tierio.weights.loader import Timer
 from tierio.weights.options import LoadOptions
 from tierio.weights.sliced import cut, with_rules
 from tierio.weights.sources import ModelSource, Shard, resolve
@@ -175,8 +175,7 @@ def load_group(source: str | Any, group: Any = None, shard: TensorParallel | Non
         stats.extra["group"] = f"rank {rank} of {size}"
         if spec is not None:
             stats.extra["tp"] = f"rank {spec.rank} of {spec.size}"
-    dev = as_device("cpu")
-    return {k: v.to(dev) for k, v in out.items()}
+    return out
 
 
 def _exchange(stream: Stream, wanted: list[Wanted], group: Any, rank: int, size: int, chunk: int,

@@ -99,7 +99,7 @@ def default_gap(shard: Shard) -> int:
 
 
 @dataclass
-class Split:
+class SlicePlan:
     """How a rank's tensors are read: entries by shard (whole, contiguous slices, and whole tensors
     to cut after the read), the cuts, and the strided slices read by pieces."""
 
@@ -108,14 +108,14 @@ class Split:
     strided: list[Strided]
 
 
-def split(src: ModelSource, spec: TensorParallel, names: Iterable[str], gap: int | None = None) -> Split:
+def split(src: ModelSource, spec: TensorParallel, names: Iterable[str], gap: int | None = None) -> SlicePlan:
     """The tensors ``names`` for ``spec``'s rank. A strided slice whose pieces lie at most ``gap``
     apart is read whole with the other entries and cut after (one larger read plus a copy);
     one with larger holes is read by pieces."""
     table = src.tensors()
     selected: dict[int, list[tuple[str, TensorEntry]]] = {}
     shards: dict[int, Shard] = {}
-    out = Split({}, {}, [])
+    out = SlicePlan({}, {}, [])
     for name in names:
         if name not in table:
             raise NotFoundError(f"{src.url} has no tensor {name!r}; `tierio weights inspect` lists them")
@@ -209,5 +209,5 @@ def assemble(out: dict[str, torch.Tensor], strided: list[Strided], device: torch
         out[it.name] = it.dest if device.type == "cpu" else it.dest.to(device)
 
 
-__all__ = ["LOCAL_GAP", "REMOTE_GAP", "Split", "Strided", "assemble", "cut", "default_gap", "fill_targets", "narrowed",
+__all__ = ["LOCAL_GAP", "REMOTE_GAP", "SlicePlan", "Strided", "assemble", "cut", "default_gap", "fill_targets", "narrowed",
            "read_strided", "smallest_hole", "split", "targets", "with_rules"]
