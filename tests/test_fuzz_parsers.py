@@ -36,7 +36,7 @@ from tierio.io.checksum import xxh3
 from tierio.io.untrusted import loads
 from tierio.weights.presharded import parse_index as parse_tp_index
 from tierio.weights.sources import parse_hf_index
-from tierio.weights.tp import TensorParallel, preset
+from tierio.weights.tp import Split, TensorParallel, preset
 
 FUZZ = settings(max_examples=int(os.environ.get("TIERIO_FUZZ_EXAMPLES", "200")), deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -200,6 +200,25 @@ def test_fuzz_safetensors_header(raw):
         for e in header.tensors.values():
             buf = raw[header.data_offset + e.begin : header.data_offset + e.end]
             assert len(buf) == e.nbytes == math.prod(e.shape) * torch.empty(0, dtype=_dtype(e.dtype)).element_size()
+            _tp_pieces_inside(header, e, len(raw))
+
+
+def _tp_pieces_inside(header, e, size: int) -> None:
+    """Every piece a tensor-parallel slice of an accepted header reads lies inside its tensor's bytes
+    (or the split is refused, typed)."""
+    from tierio.weights.sliced import Strided, narrowed
+    from tierio.weights.sources import Shard
+
+    shard = Shard("model.safetensors", size, "model.safetensors", header=header)
+    lo, hi = shard.data_offset + e.begin, shard.data_offset + e.end
+    for dim in range(len(e.shape)):
+        take = only_typed_errors(TensorParallel(1, 2, [(".*", Split(dim))]).take, e.name, e.shape)
+        if take is not None and take.contiguous(e.shape):
+            n = narrowed(e, take)
+            assert e.begin <= n.begin <= n.end <= e.end
+        elif take is not None:
+            p = Strided(e.name, shard, e, take).pieces()
+            assert (p[:, 0] >= lo).all() and (p[:, 0] + p[:, 1] <= hi).all()
 
 
 def _dtype(name: str) -> torch.dtype:
