@@ -21,15 +21,16 @@ from pathlib import Path
 import torch
 
 from tierio.errors import ConfigError, FormatError, IntegrityError
-from tierio.format.safetensors import build_header
+from tierio.format.safetensors import build_header, dtype_name
 from tierio.io.checksum import StreamingChecksum, xxh3
 from tierio.io.untrusted import Fields, check_hex, check_plain_name, parser, read_json_file
 from tierio.stats import Stats
 from tierio.storage.local import LocalStore
 from tierio.weights.record import SUM_WINDOW, CacheRecord, FileRecord
 from tierio.weights.sources import PRESHARDED_INDEX as INDEX
+from tierio.weights.sliced import with_rules
 from tierio.weights.sources import ModelSource, resolve
-from tierio.weights.tp import TensorParallel
+from tierio.weights.tp import RuleList, TensorParallel
 
 VERSION = 1
 INDEX_LIMIT = 64 << 20
@@ -69,11 +70,10 @@ def _source_sums(src: ModelSource) -> dict[str, str]:
     return {s.key: _file_sums(s.path)[0] for s in src.shards}  # type: ignore[arg-type]
 
 
-def shard_model(source: str | os.PathLike, out: str | os.PathLike, tp: int, rules=None) -> ShardReport:
+def shard_model(source: str | os.PathLike, out: str | os.PathLike, tp: int, rules: RuleList | None = None) -> ShardReport:
     """Write one safetensors file per rank of a ``tp``-way group, then the index (``rules`` as for
     :class:`TensorParallel`; None: the preset of the model's config.json)."""
-    from tierio.weights.loader import load
-    from tierio.weights.sliced import with_rules
+    from tierio.weights.loader import load  # here: the loader imports this module
 
     src = resolve(source)
     sums = _source_sums(src)
@@ -85,7 +85,7 @@ def shard_model(source: str | os.PathLike, out: str | os.PathLike, tp: int, rule
     for rank in range(tp):
         tensors = load(src, shard=TensorParallel(rank, tp, spec.rules), mapped=False)
         meta = {"format": "pt", "tierio.tp.rank": str(rank), "tierio.tp.size": str(tp), "tierio.tp.source": digest}
-        header, h = build_header(((n, _st_dtype(t), tuple(t.shape)) for n, t in tensors.items()), meta)
+        header, h = build_header(((n, dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()), meta)
         parts = [memoryview(header)] + [memoryview(tensors[n].contiguous().reshape(-1).view(torch.uint8).numpy())
                                         for n in h.tensors if tensors[n].numel()]
         name = rank_file(rank, tp)
@@ -100,12 +100,6 @@ def shard_model(source: str | os.PathLike, out: str | os.PathLike, tp: int, rule
     store.put_buffers(INDEX, [json.dumps(index, indent=1).encode()])  # last: the directory is complete
     report.files.append(INDEX)
     return report
-
-
-def _st_dtype(t: torch.Tensor) -> str:
-    from tierio.format.safetensors import dtype_name
-
-    return dtype_name(t.dtype)
 
 
 @dataclass
