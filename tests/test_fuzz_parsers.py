@@ -33,7 +33,10 @@ from tierio.format.safetensors import read_header_from
 from tierio.format.shard import plan_shard
 from tierio.format.statetree import flatten
 from tierio.io.checksum import xxh3
+from tierio.io.untrusted import loads
+from tierio.weights.presharded import parse_index as parse_tp_index
 from tierio.weights.sources import parse_hf_index
+from tierio.weights.tp import Split, TensorParallel, preset
 
 FUZZ = settings(max_examples=int(os.environ.get("TIERIO_FUZZ_EXAMPLES", "200")), deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -197,6 +200,25 @@ def test_fuzz_safetensors_header(raw):
         for e in header.tensors.values():
             buf = raw[header.data_offset + e.begin : header.data_offset + e.end]
             assert len(buf) == e.nbytes == math.prod(e.shape) * torch.empty(0, dtype=_dtype(e.dtype)).element_size()
+            _tp_pieces_inside(header, e, len(raw))
+
+
+def _tp_pieces_inside(header, e, size: int) -> None:
+    """Every piece a tensor-parallel slice of an accepted header reads lies inside its tensor's bytes
+    (or the split is refused, typed)."""
+    from tierio.weights.sliced import Strided, narrowed
+    from tierio.weights.sources import Shard
+
+    shard = Shard("model.safetensors", size, "model.safetensors", header=header)
+    lo, hi = shard.data_offset + e.begin, shard.data_offset + e.end
+    for dim in range(len(e.shape)):
+        take = only_typed_errors(TensorParallel(1, 2, [(".*", Split(dim))]).take, e.name, e.shape)
+        if take is not None and take.contiguous(e.shape):
+            n = narrowed(e, take)
+            assert e.begin <= n.begin <= n.end <= e.end
+        elif take is not None:
+            p = Strided(e.name, shard, e, take).pieces()
+            assert (p[:, 0] >= lo).all() and (p[:, 0] + p[:, 1] <= hi).all()
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -212,6 +234,38 @@ def test_fuzz_hf_index(raw):
     files = only_typed_errors(parse_hf_index, raw, "model.safetensors.index.json")
     if files is not None:
         assert all(isinstance(f, str) and ".." not in f.split("/") and not f.startswith("/") for f in files)
+
+
+# -- tensor parallelism: the pre-sharded index, config.json presets ------------------------------
+TP_INDEX = {"format": "tierio-tp", "version": 1, "tp": 2, "rules": [["o_proj", "Split(dim=1)"]], "window": 2 << 20,
+            "source": {"url": "/m", "digest": "0123456789abcdef", "files": {"model.safetensors": "fedcba9876543210"}},
+            "files": [{"file": f"tp-rank-{r:05d}-of-00002.safetensors", "rank": r, "bytes": 4096, "xxh3": "0" * 16,
+                       "windows": {"0": "1" * 16}} for r in range(2)]}
+LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 8, "num_key_value_heads": 2,
+                "intermediate_size": 384, "hidden_size": 128}
+TP_SHAPES = {"model.layers.0.self_attn.q_proj.weight": (128, 128), "model.layers.0.self_attn.k_proj.weight": (32, 128),
+             "model.layers.0.self_attn.qkv_proj.weight": (192, 128), "model.layers.0.mlp.gate_up_proj.weight": (768, 128),
+             "model.layers.0.mlp.down_proj.weight": (128, 384), "model.embed_tokens.weight": (256, 128)}
+
+
+@FUZZ
+@given(mutated(json.dumps(TP_INDEX, indent=1).encode(), TP_INDEX))
+def test_fuzz_presharded_index(raw):
+    doc = only_typed_errors(lambda: loads(raw, "tierio-tp.json", limit=1 << 20))
+    got = only_typed_errors(parse_tp_index, doc, "tierio-tp.json", Path("/m"), TensorParallel(1, 2))
+    if got is not None:  # what parsed names the rank's own file inside the directory
+        assert got.path == Path("/m/tp-rank-00001-of-00002.safetensors") and got.size >= 0
+
+
+@FUZZ
+@given(mutated(json.dumps(LLAMA_CONFIG).encode(), LLAMA_CONFIG))
+def test_fuzz_config_presets(raw):
+    config = only_typed_errors(lambda: loads(raw, "config.json", limit=1 << 20))
+    rules = only_typed_errors(preset, config)
+    for name, shape in TP_SHAPES.items() if rules is not None else ():
+        take = only_typed_errors(TensorParallel(3, 4, rules).take, name, shape)
+        if take is not None:  # a slice that was accepted lies inside the tensor
+            assert all(0 <= a < b <= shape[take.dim] for a, b in take.ranges)
 
 
 # -- Megatron .idx ------------------------------------------------------------------------------

@@ -58,6 +58,13 @@ def test_plan_merges_small_holes_and_starts_regions_on_the_grid():
         (3 * MiB, 6 * MiB, [1, 2]), (7 * MiB, 8 * MiB, [4]), (10 * MiB, 11 * MiB, [0])]
 
 
+def test_plan_never_reads_a_byte_twice_when_grid_starts_overlap():
+    # two row pieces of one 4 KiB page with a hole above the merge gap: one region, not two that
+    # both start at 0 (a strided tensor-parallel slice read exactly)
+    regions = plan([ByteRange(100, 200), ByteRange(300, 400), ByteRange(8192, 8200)], Windowing(size=MiB, depth=1))
+    assert [(r.start, r.end, r.members) for r in regions] == [(0, 400, [0, 1]), (8192, 8200, [2])]
+
+
 def test_windows_cover_each_region_from_its_start():
     regions = plan([ByteRange(4096 * 3 + 1, 4096 * 3 + 10 * MiB)], Windowing(size=4 * MiB, depth=1))
     ws = list(windows(regions, 4 * MiB))

@@ -97,6 +97,10 @@ class SnapshotChangedError(TierioError):
         self.names = names
 
 
+class GroupError(TierioError):
+    """A rank of a process group died or stopped answering during a collective operation."""
+
+
 class LeaseError(StorageError):
     """Another run holds the tier's write lease (or this run lost it): one writer per tier."""
 

@@ -40,6 +40,10 @@ def weights(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir under /tmp)")
     p.add_argument("--no-s3", action="store_true", help="skip the S3 / weight-cache part")
     p.add_argument("--no-torch-load", action="store_true", help="skip the torch.load peer")
+    p.add_argument("--tp-size", default="1GiB", help="least size of the Llama-shaped model of the tensor-parallel "
+                   "figures (default 1GiB; whole layers of a Llama-3-8B shape, so it ends up larger)")
+    p.add_argument("--no-tp", action="store_true", help="skip the tensor-parallel figures")
+    p.add_argument("--no-group", action="store_true", help="skip the cooperative load of 4 gloo ranks from SeaweedFS")
     p.add_argument("--repeat", type=int, default=2,
                    help="rounds; every method (S3 ones too) runs once per round, interleaved, and keeps its best (default 2)")
 

@@ -19,6 +19,9 @@ examples:
   tierio weights load ./llama/ --private                 the same into private memory (O_DIRECT, no file mapping)
   tierio weights load model.safetensors --keys lm_head.weight
   tierio weights inspect ./llama/ --tensors              every tensor, not only the first 20
+  tierio weights load ./llama/ --tp 4 --rank 1           rank 1's tensor-parallel slices only (rules from config.json)
+  tierio weights shard ./llama/ ./llama-tp4 --tp 4       one file per rank; then: load ./llama-tp4 --tp 4 --rank 1
+  torchrun --nproc-per-node 4 -m tierio weights load "s3://models/llama?endpoint=..." --group
   tierio weights fetch "s3://models/llama?endpoint=http://127.0.0.1:8333" --cache-dir /nvme/weights
   tierio weights load "s3://models/llama?endpoint=http://127.0.0.1:8333" --cache-dir /nvme/weights --device cuda
   tierio weights cache --cache-dir /nvme/weights         what the cache holds, least recently used first
@@ -101,8 +104,14 @@ def cmd_load(args) -> int:
     stats = LoadStats()
     mapped = not (args.private or args.buffered)
     cold = _drop_page_cache(args.source) if args.cold else None
+    shard = _tp(args)
     with byte_progress("loading", quiet=args.json) as progress:
-        if args.cache or args.via_cache:
+        if args.group:
+            tensors = _load_group(args, dtype, keys, shard, stats, progress)
+        elif shard is not None:
+            tensors = load(args.source, device=args.device, dtype=dtype, keys=keys, stats=stats, shard=shard,
+                           direct=not args.buffered, mapped=mapped, progress=progress)
+        elif args.cache or args.via_cache:
             tensors = _cache(args).load(args.source, device=args.device, dtype=dtype, keys=keys, stats=stats,
                                         verify=args.verify, mapped=mapped, progress=progress)
         else:
@@ -116,6 +125,52 @@ def cmd_load(args) -> int:
         print_json(d)
     else:
         print_table("weights load", ["", "value"], _stats_rows(d))
+    return 0
+
+
+def _load_group(args, dtype, keys, shard, stats, progress):
+    """A cooperative load over the torchrun world (gloo): each byte read from the source once."""
+    import torch.distributed as dist
+
+    from tierio.weights import TensorParallel, load_group
+
+    if args.device != "cpu" or args.cache or args.via_cache:
+        raise ConfigError("--group loads into CPU memory from the source: drop --device/--cache-dir")
+    if "RANK" not in os.environ:
+        raise ConfigError("--group needs torchrun (RANK, WORLD_SIZE, MASTER_ADDR in the environment): "
+                          "torchrun --nproc-per-node N -m tierio weights load SOURCE --group")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    if shard is not None and args.rank is None:  # each rank of the group takes its own slices
+        shard = TensorParallel(dist.get_rank() % args.tp, args.tp)
+    tensors = load_group(args.source, keys=keys, shard=shard, stats=stats, progress=progress)
+    return {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in tensors.items()}
+
+
+def _tp(args):
+    """The tensor-parallel rank of --tp/--rank (None without --tp)."""
+    from tierio.weights import TensorParallel
+
+    if args.tp is None:
+        if args.rank is not None:
+            raise ConfigError("--rank needs --tp N (the tensor-parallel degree)")
+        return None
+    if args.cache or args.via_cache:
+        raise ConfigError("--tp reads a rank's slices from the source; it does not go through the weight cache (drop --cache-dir)")
+    return TensorParallel(args.rank or 0, args.tp)
+
+
+def cmd_shard(args) -> int:
+    from tierio.weights import shard_model
+
+    report = shard_model(args.source, args.out, args.tp)
+    d = report.to_dict()
+    if args.json:
+        print_json(d)
+    else:
+        print_table("weights shard", ["", "value"], [["out", d["out"]], ["tensor-parallel ranks", str(d["tp"])],
+                    ["files", str(len(d["files"]))], ["bytes written", human_bytes(d["bytes"])],
+                    ["source bytes", human_bytes(d["source_bytes"])]])
     return 0
 
 
@@ -211,8 +266,21 @@ def register(sub) -> None:
                    help="CPU: read into private memory by O_DIRECT instead of mapping the files copy-on-write "
                         "(independent of the files afterwards; more CPU per GB)")
     q.add_argument("--buffered", action="store_true", help="like --private, but read through the page cache (never O_DIRECT)")
+    q.add_argument("--tp", type=int, metavar="N", help="load one tensor-parallel rank's slices of an N-way group "
+                   "(rules chosen from config.json; a directory written by `weights shard` reads only the rank's file)")
+    q.add_argument("--rank", type=int, metavar="R", help="the tensor-parallel rank to load with --tp "
+                   "(default 0; with --group, the process's rank modulo N)")
+    q.add_argument("--group", action="store_true", help="under torchrun: a cooperative load, each rank reading a "
+                   "disjoint part from the source and exchanging it over the group (gloo)")
     common(q)
     q.set_defaults(handler=cmd_load)
+
+    q = leaf(ws, "shard", help="write one safetensors file per tensor-parallel rank, plus an index", epilog=EPILOG)
+    q.add_argument("source", metavar="SOURCE", help="local .safetensors file or model directory (with config.json)")
+    q.add_argument("out", metavar="OUT", help="directory to write the rank files and tierio-tp.json into")
+    q.add_argument("--tp", type=int, required=True, metavar="N", help="the tensor-parallel degree to cut for")
+    common(q, cache=False)
+    q.set_defaults(handler=cmd_shard)
 
     q = leaf(ws, "fetch", help="copy a remote model into the local cache (verified, atomic)", epilog=EPILOG)
     q.add_argument("source", metavar="SOURCE", help="s3:// URL or shared-filesystem path of a model")

@@ -213,7 +213,8 @@ def plan(ranges: Sequence[ByteRange], shape: Windowing) -> list[Region]:
     out: list[Region] = []
     for i in order:
         r = ranges[i]
-        if out and r.start - out[-1].end <= shape.merge_gap:
+        # also merged when its region's grid start would fall inside the previous region: no byte read twice
+        if out and (r.start - out[-1].end <= shape.merge_gap or align_down(r.start, shape.grid) < out[-1].end):
             out[-1].end = max(out[-1].end, r.end)
             out[-1].members.append(i)
         else:

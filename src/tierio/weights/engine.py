@@ -63,13 +63,13 @@ class Extent:
         return self.shard.data_offset + e.begin - self.start
 
 
-def plan_extents(shard: Shard, entries: list[TensorEntry], whole_file: bool = False) -> list[Extent]:
-    """Group a shard's wanted tensors into extents, merging ranges separated by small gaps."""
+def plan_extents(shard: Shard, entries: list[TensorEntry], whole_file: bool = False, merge_gap: int = MERGE_GAP) -> list[Extent]:
+    """Group a shard's wanted tensors into extents, merging ranges separated by at most ``merge_gap``."""
     if whole_file:
         return [Extent(shard, 0, shard.size, [e for e in entries if e.nbytes])] if shard.size else []
     base = shard.data_offset
     ranges = [ByteRange(base + e.begin, base + e.end) for e in entries]
-    regions = plan(ranges, Windowing(DEFAULT_CHUNK, DEFAULT_DEPTH, merge_gap=MERGE_GAP))
+    regions = plan(ranges, Windowing(DEFAULT_CHUNK, DEFAULT_DEPTH, merge_gap=merge_gap))
     return [Extent(shard, r.start, r.end, [entries[i] for i in r.members]) for r in regions]
 
 

@@ -11,7 +11,6 @@ the next windows are being read. load_into streams through the same ring into ex
 
 from __future__ import annotations
 
-import bisect
 import logging
 import resource
 import threading
@@ -27,11 +26,14 @@ from tierio.errors import ConfigError, NotFoundError
 from tierio.format.safetensors import TensorEntry, torch_dtype
 from tierio.io import gds
 from tierio.io.numa import placement
-from tierio.weights import engine
+from tierio.weights import engine, presharded, sliced
 from tierio.weights.engine import Counters, Extent, Hook, Progress
+from tierio.io.buffers import align_up
 from tierio.weights.options import LoadOptions
+from tierio.weights.record import SUM_WINDOW, checksum_hook
 from tierio.weights.sources import ModelSource, Shard, resolve
-from tierio.weights.stats import LoadIntoResult, LoadStats
+from tierio.weights.stats import LoadStats
+from tierio.weights.tp import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,9 @@ class ReadSpec:
     whole_files: bool = False  # read every byte of every shard (a cache fill must see them all)
     hook: Hook | None = None  # sees every window while it is in memory (the weight cache writes it)
     numa_node: int | None = None  # the staging ring's NUMA node (io.numa)
+    shard: TensorParallel | None = None  # one tensor-parallel rank's slices (tierio.weights.tp)
+    slice_gap: int | None = None  # holes read through between a strided slice's pieces (None: by source)
+    merge_gap: int = engine.MERGE_GAP  # holes between wanted tensors read through rather than skipped
 
 
 @dataclass
@@ -150,13 +155,15 @@ def load(
     dtype: torch.dtype | None = None,
     keys: Iterable[str] | None = None,
     options: LoadOptions | None = None,
+    shard: TensorParallel | None = None,
     **overrides: Any,
 ) -> dict[str, torch.Tensor]:
     """Load tensors from a .safetensors file, a model directory, a tierio checkpoint or an s3:// URL.
 
     ``keys`` limits the load to those tensors (only their byte ranges are read); ``dtype``
-    converts floating-point tensors; ``options`` (or keyword overrides of its fields, see
-    :class:`LoadOptions`): ``stats`` (a LoadStats) receives bytes, seconds and CPU time;
+    converts floating-point tensors; ``shard`` (a :class:`~tierio.weights.tp.TensorParallel`)
+    loads one tensor-parallel rank's part of every tensor, reading only its byte ranges;
+    ``options`` (or keyword overrides of its fields, see :class:`LoadOptions`): ``stats`` (a LoadStats) receives bytes, seconds and CPU time;
     ``progress(done, total)`` is called from the reader threads as each window of bytes lands.
 
     ``mapped`` chooses the memory CPU tensors of local files live in. ``True`` (default):
@@ -171,15 +178,15 @@ def load(
     o = LoadOptions.resolve(options, overrides)
     stats = o.stats if o.stats is not None else LoadStats()
     opts = ReadSpec(as_device(device), dtype, list(keys) if keys is not None else None, mapped=o.mapped, direct=o.direct,
-                    chunk_size=int(o.chunk_bytes), depth=o.depth, use_gds=o.use_gds, progress=o.progress,
-                    numa_node=_staging_node(o, stats))
+                    chunk_size=int(o.chunk_bytes), depth=o.depth, use_gds=o.use_gds, progress=o.progress, shard=shard,
+                    slice_gap=o.slice_gap_bytes, numa_node=staging_node(o, stats))
     with Timer(stats):
-        src = source if isinstance(source, ModelSource) else resolve(source)
+        src, opts = _source(source, opts, stats)
         out = load_resolved(src, opts, stats)
     return out
 
 
-def _staging_node(o: LoadOptions, stats: LoadStats) -> int | None:
+def staging_node(o: LoadOptions, stats: LoadStats) -> int | None:
     """The NUMA node the staging ring is placed on, and the placement reported in the stats."""
     if o.numa_node is None:
         return None
@@ -188,10 +195,29 @@ def _staging_node(o: LoadOptions, stats: LoadStats) -> int | None:
     return where.node
 
 
+def _source(source: str | Any, opts: ReadSpec, stats: LoadStats) -> tuple[ModelSource, ReadSpec]:
+    """The source to read; a rank of a pre-sharded directory reads its own file whole, each window
+    checked against the index's xxh3 while it is in memory."""
+    root = presharded.is_presharded(source) if opts.shard is not None else None
+    if root is None:
+        return (source if isinstance(source, ModelSource) else resolve(source)), opts
+    assert opts.shard is not None
+    src, record = presharded.open_rank(root, opts.shard)
+    stats.extra["tp"] = f"rank {opts.shard.rank} of {opts.shard.size} (pre-sharded)"
+    hook = checksum_hook(record, "pre-sharded", "re-shard the model (tierio weights shard)")
+    chunk = align_up(opts.chunk_size, SUM_WINDOW)  # whole checksum windows
+    return src, ReadSpec(**{**vars(opts), "shard": None, "whole_files": True, "hook": hook, "chunk_size": chunk})
+
+
 def load_resolved(src: ModelSource, opts: ReadSpec, stats: LoadStats) -> dict[str, torch.Tensor]:
     """The loader proper, for an already resolved source: plan the reads, read them into the
     memory the target wants, then name, convert and order the tensors."""
-    plan = plan_reads(src, opts)
+    if opts.shard is not None:
+        return _load_sliced(src, opts, stats)
+    return _read_plan(plan_reads(src, opts), src, opts, stats)
+
+
+def _read_plan(plan: ReadPlan, src: ModelSource, opts: ReadSpec, stats: LoadStats) -> dict[str, torch.Tensor]:
     stats.source = stats.source or src.url
     stats.device = str(opts.device)
     out = None
@@ -204,13 +230,38 @@ def load_resolved(src: ModelSource, opts: ReadSpec, stats: LoadStats) -> dict[st
     return _finish(plan, out, opts, stats)
 
 
-def plan_reads(src: ModelSource, opts: ReadSpec) -> ReadPlan:
-    """The extents to read for ``opts.keys`` (every byte of every shard with ``whole_files``)."""
-    selected = _select(src, opts.keys)
+def _load_sliced(src: ModelSource, opts: ReadSpec, stats: LoadStats) -> dict[str, torch.Tensor]:
+    """One tensor-parallel rank's slices: contiguous ones through the plain loader as narrower
+    entries, strided ones through ``sliced.read_strided``; then converted and ordered."""
+    assert opts.shard is not None
+    spec = sliced.with_rules(opts.shard, src)
+    names = list(dict.fromkeys(opts.keys)) if opts.keys is not None else list(src.tensors())
+    how = sliced.split(src, spec, names, opts.slice_gap)
+    # the slices' holes are read through by the same measured gap as a strided slice's
+    gap = opts.slice_gap if opts.slice_gap is not None else sliced.default_gap(src.shards[0])
+    whole = ReadSpec(**{**vars(opts), "dtype": None, "keys": None, "shard": None, "merge_gap": gap})
+    out = dict(_read_plan(plan_reads(src, whole, how.selected), src, whole, stats)) if how.selected else {}
+    for name, take in how.cuts.items():
+        out[name] = sliced.cut(out[name], take)
+    if how.strided:
+        counters = sliced.read_strided(how.strided, chunk_size=opts.chunk_size, depth=opts.depth, direct=opts.direct,
+                                       gap=opts.slice_gap)
+        sliced.assemble(out, how.strided, opts.device)
+        stats.add_read(counters, files=0)
+        stats.tensors += len(how.strided)
+    stats.extra["tp"] = f"rank {spec.rank} of {spec.size}"
+    return {n: _convert(out[n], opts.dtype) for n in names}
+
+
+def plan_reads(src: ModelSource, opts: ReadSpec, selected: dict[Shard, list[tuple[str, TensorEntry]]] | None = None) -> ReadPlan:
+    """The extents to read for ``opts.keys`` (every byte of every shard with ``whole_files``), or
+    for the entries ``selected`` by shard (a tensor-parallel rank's slices)."""
+    if selected is None:
+        selected = _select(src, opts.keys)
     extents: list[Extent] = []
     names: dict[tuple[int, str], str] = {}
     for shard, items in selected.items():
-        extents += engine.plan_extents(shard, [e for _, e in items], whole_file=opts.whole_files)
+        extents += engine.plan_extents(shard, [e for _, e in items], whole_file=opts.whole_files, merge_gap=opts.merge_gap)
         for name, e in items:
             names[(id(shard), e.name)] = name
     if opts.whole_files:  # the cache fill must see every byte, also of shards holding no wanted tensor
@@ -329,110 +380,17 @@ def _read_gds(plan: ReadPlan, dev_bufs: list[torch.Tensor], opts: ReadSpec, stat
     return True
 
 
-# -- load_into ---------------------------------------------------------------------------------
-def _target_tensors(target: Any) -> dict[str, torch.Tensor]:
-    if isinstance(target, torch.nn.Module):
-        return dict(target.state_dict(keep_vars=False))
-    if isinstance(target, Mapping):
-        bad = [k for k, v in target.items() if not isinstance(v, torch.Tensor)]
-        if bad:
-            raise ConfigError(f"load_into target has non-tensor values for {bad[:5]}")
-        return dict(target)
-    raise ConfigError(f"load_into needs a torch.nn.Module or a dict of tensors, got {type(target).__name__}")
-
-
-def load_into(
-    target: Any,
-    source: str | Any,
-    options: LoadOptions | None = None,
-    **overrides: Any,
-) -> LoadIntoResult:
-    """Fill the existing tensors of a module or state dict in place from ``source``.
-
-    Bytes stream through the bounded staging ring straight into each tensor's memory (CPU or
-    GPU): no second copy of the model is ever allocated. A tensor whose dtype differs from the
-    file, or that is not contiguous, is staged in a temporary of its own size and converted.
-    With ``strict`` every target tensor must be in the source (tied weights excepted) and shapes
-    must match. ``options`` (or keyword overrides) as for :func:`load`; GPU and mapping knobs do not apply.
-    """
-    o = LoadOptions.resolve(options, overrides)
-    strict = o.strict
-    stats = o.stats if o.stats is not None else LoadStats()
-    opts = ReadSpec(direct=o.direct, chunk_size=int(o.chunk_bytes), depth=o.depth, progress=o.progress,
-                    numa_node=_staging_node(o, stats))
-    with Timer(stats):
-        src = source if isinstance(source, ModelSource) else resolve(source)
-        stats.source, stats.method = src.url, "in-place"
-        dests = _target_tensors(target)
-        table = src.tensors()
-        names = [k for k in dests if k in table]
-        missing = [k for k in dests if k not in table]
-        unexpected = [k for k in table if k not in dests]
-        if missing and strict:
-            # Tied weights (lm_head sharing the embedding) are saved once; they fill through their twin.
-            loaded_ptrs = {dests[k].untyped_storage().data_ptr() for k in names if dests[k].numel()}
-            really = [k for k in missing if dests[k].numel() and dests[k].untyped_storage().data_ptr() not in loaded_ptrs]
-            if really:
-                raise NotFoundError(f"{src.url} lacks tensor(s) {really[:5]} of the target; pass strict=False to skip them")
-        for k in names:
-            e = table[k][1]
-            if tuple(dests[k].shape) != e.shape:
-                raise ConfigError(f"tensor {k!r}: target shape {tuple(dests[k].shape)} but {table[k][0].where} holds {list(e.shape)}")
-        _fill_in_place({k: (dests[k], *table[k]) for k in names}, opts, stats)
-    stats.tensors += len(names)
-    return LoadIntoResult(names, missing, unexpected, stats)
-
-
-def _fill_in_place(targets: dict[str, tuple[torch.Tensor, Shard, TensorEntry]], opts: ReadSpec, stats: LoadStats) -> None:
-    """Stream the bytes of each (destination, shard, entry) through the ring into the destination."""
-    by_shard: dict[int, list[TensorEntry]] = {}
-    shards: dict[int, Shard] = {}
-    sinks: dict[tuple[int, str], torch.Tensor] = {}  # (shard, stored name) -> destination bytes
-    finish: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, staged temporary)
-    for dst, shard, e in targets.values():
-        if e.nbytes == 0:
-            continue
-        file_dt = torch_dtype(e.dtype)
-        if dst.dtype == file_dt and dst.is_contiguous():
-            stage = dst
-        else:
-            stage = torch.empty(e.shape, dtype=file_dt, device=dst.device)
-            finish.append((dst, stage))
-        sinks[(id(shard), e.name)] = stage.reshape(-1).view(torch.uint8)
-        by_shard.setdefault(id(shard), []).append(e)
-        shards[id(shard)] = shard
-    extents = [x for i, es in by_shard.items() for x in engine.plan_extents(shards[i], es)]
-    engine.check_entries_fit(extents)
-    plans: dict[int, tuple[list[int], list[TensorEntry]]] = {}
-    for ext in extents:
-        es = sorted(ext.entries, key=lambda e: e.begin)
-        plans[id(ext)] = ([ext.offset_of(e) for e in es], es)
-
-    def sink(ext: Extent, rel: int, view: memoryview, n: int, buf) -> None:
-        starts, es = plans[id(ext)]
-        src_t = buf.tensor()
-        i = max(0, bisect.bisect_right(starts, rel) - 1)
-        while i < len(es) and starts[i] < rel + n:
-            a, e = starts[i], es[i]
-            lo, hi = max(a, rel), min(a + e.nbytes, rel + n)
-            if lo < hi:
-                dst = sinks[(id(ext.shard), e.name)][lo - a : hi - a]
-                piece = src_t[lo - rel : hi - rel]
-                if dst.is_cuda:
-                    copy_to_device(dst, piece)
-                else:
-                    dst.copy_(piece)
-            i += 1
-
-    counters = Counters(total=sum(x.end - x.start for x in extents), progress=opts.progress)
-    engine.read_through_ring(extents, sink, chunk_size=opts.chunk_size, depth=opts.depth, direct=opts.direct,
-                             counters=counters, numa_node=opts.numa_node)
-    with torch.no_grad():
-        for dst, staged in finish:
-            dst.copy_(staged)
-    if any(d.is_cuda for d, _, _ in targets.values()):
-        torch.cuda.synchronize()
-    stats.add_read(counters, files=len(shards))
+def first_use(tensors: Mapping[str, torch.Tensor], stats: LoadStats | None = None) -> float:
+    """One pass over every tensor, one read per page: what a server's first forward pass (or copy
+    to the device) meets first. Returns its seconds and adds them to ``stats.first_use_seconds``."""
+    t0 = time.perf_counter()
+    for t in tensors.values():
+        if t.numel() and t.device.type == "cpu":
+            t.reshape(-1).view(torch.uint8)[::4096].sum()
+    seconds = time.perf_counter() - t0
+    if stats is not None:
+        stats.first_use_seconds += seconds
+    return seconds
 
 
 # -- inspect -----------------------------------------------------------------------------------
@@ -450,4 +408,4 @@ def inspect(source: str | Any) -> dict[str, Any]:
     }
 
 
-__all__ = ["LoadIntoResult", "LoadOptions", "LoadStats", "ReadSpec", "Timer", "as_device", "inspect", "load", "load_into", "load_resolved"]
+__all__ = ["LoadOptions", "LoadStats", "ReadSpec", "Timer", "as_device", "copy_to_device", "first_use", "inspect", "load", "load_resolved"]

@@ -19,7 +19,9 @@ class LoadOptions(Options):
     kvikio works); ``mapped``: CPU tensors as copy-on-write views of local files; ``progress(done,
     total)`` from the reader threads; ``strict`` (load_into): every target tensor must be in the source;
     ``numa_node``: the staging ring's NUMA node (a number, or ``"auto"`` for the current GPU's), reported
-    in ``stats.extra["staging_numa"]``."""
+    in ``stats.extra["staging_numa"]``; ``slice_gap_bytes``: a tensor-parallel load reads through holes up
+    to this size between the row pieces of a strided slice (None: the measured default of the source's
+    kind; 0: exactly the slice)."""
 
     ALIASES: ClassVar[dict[str, str]] = {"chunk_size": "chunk_bytes"}
 
@@ -32,6 +34,7 @@ class LoadOptions(Options):
     progress: Progress | None = None
     strict: bool = True
     numa_node: int | str | None = None
+    slice_gap_bytes: int | str | None = None
 
 
 __all__ = ["LoadOptions"]

@@ -107,7 +107,10 @@ def stale_reason(record: CacheRecord, entry: Path, src: ModelSource | None) -> s
     return None
 
 
-def checksum_hook(record: CacheRecord) -> Hook:
+FETCH_AGAIN = "run `tierio weights fetch` again or evict the entry"
+
+
+def checksum_hook(record: CacheRecord, what: str = "cached", advice: str = FETCH_AGAIN) -> Hook:
     """Checks every window a full-verify load reads against the fill's recorded xxh3."""
     chunk = record.chunk
     sums = {k: f.sums for k, f in record.files.items()}
@@ -119,7 +122,7 @@ def checksum_hook(record: CacheRecord) -> Hook:
             want = sums.get(shard.key, {}).get(at)
             if want is None or xxh3(view[rel : rel + m]) != want:
                 why = "have no recorded checksum" if want is None else "fail their checksum"
-                raise IntegrityError(f"cached {shard.where} bytes {at}..{at + m} {why}; run `tierio weights fetch` again or evict the entry")
+                raise IntegrityError(f"{what} {shard.where} bytes {at}..{at + m} {why}; {advice}")
 
     return hook
 

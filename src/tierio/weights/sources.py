@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from tierio.errors import FormatError, NotFoundError
+from tierio.errors import ConfigError, FormatError, NotFoundError
 from tierio.format.manifest import MAX_MANIFEST_BYTES
 from tierio.format.safetensors import Header, TensorEntry, read_header_from
 from tierio.io import engine
@@ -26,6 +26,7 @@ from tierio.storage.base import check_key, where
 from tierio.weights import checkpoint
 
 INDEX_SUFFIX = ".safetensors.index.json"
+PRESHARDED_INDEX = "tierio-tp.json"  # a directory cut per tensor-parallel rank (weights.presharded)
 HEAD_PROBE = 1 << 20  # first GET of a remote shard: the header of nearly every real file fits
 # the index of the largest models lists ~100k tensors in a few MB; a checkpoint manifest has its own limit
 MAX_INDEX_BYTES = MAX_MANIFEST_BYTES
@@ -181,6 +182,9 @@ def _pick_kind(keys: list[str], read: Callable[[str], bytes], where: Callable[[s
 
     ``read(key)`` returns a small file's bytes, ``where(key)`` names it in messages."""
     top = [k for k in keys if "/" not in k]
+    if PRESHARDED_INDEX in top:
+        raise ConfigError(f"{where(PRESHARDED_INDEX)}: the directory is pre-sharded for tensor parallelism: load one rank's "
+                          "part with shard=TensorParallel(rank, size) (tierio weights load --tp N --rank R)")
     index = sorted(k for k in top if k.endswith(INDEX_SUFFIX))
     if index:
         files = parse_hf_index(read(index[0]), where(index[0]))
@@ -281,6 +285,15 @@ def _resolve_remote(url: str, read_headers: bool) -> ModelSource:
     return src
 
 
+def read_small_file(src: ModelSource, key: str, limit: int = MAX_INDEX_BYTES) -> bytes | None:
+    """A small file beside the shards (``config.json``), refused above ``limit``; None when absent."""
+    if src.store is not None:
+        return _read_small_remote(src.store, key, limit) if key in src.keys else None
+    if src.root is None or not (src.root / key).is_file():
+        return None
+    return _read_small(src.root / key, limit)
+
+
 def _finish_names(src: ModelSource) -> None:
     if src.names is not None:
         stored = [n for s in src.shards for n in s.header.tensors]  # type: ignore[union-attr]
@@ -288,4 +301,4 @@ def _finish_names(src: ModelSource) -> None:
 
 
 
-__all__ = ["ModelSource", "Shard", "is_remote", "parse_hf_index", "resolve"]
+__all__ = ["ModelSource", "Shard", "is_remote", "parse_hf_index", "read_small_file", "resolve"]

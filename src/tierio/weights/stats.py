@@ -25,6 +25,7 @@ class LoadStats(Stats):
     buffered_bytes: int = 0  # read through the page cache (it already held them, or no O_DIRECT)
     remote_bytes: int = 0
     copied_tensors: int = 0  # tensors whose offset was not a multiple of their element size
+    first_use_seconds: float = 0.0  # one pass over every tensor after the load (weights.first_use), not in ``seconds``
     extra: dict[str, Any] = field(default_factory=dict)
 
     def add_read(self, counters: Counters, files: int) -> None:
