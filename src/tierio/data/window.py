@@ -6,7 +6,8 @@ GPT dataset does). Window ``i`` is tokens ``[i*seq_len, i*seq_len + seq_len + 1)
 of the mapping; conversion to int64 happens once per batch in ``__getitems__``/``collate``.
 
 Ranks take windows ``rank, rank + world, rank + 2*world, ...`` and every rank gets the same
-count (the remainder is dropped), so no window is seen twice and steps stay in lock-step.
+count (the remainder is dropped), so no window is seen twice and steps stay in lock-step. The
+position is global (``tierio.data.position``): a state saved on one world size resumes on another.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import numpy as np
 
 from tierio.errors import ConfigError
 from tierio.data.indexed import IndexedDataset
+from tierio.data.position import EpochSplit, Positioned
 from tierio.data.ring import BatchRing, RingRef
 
 
-class TokenWindowDataset:
+class TokenWindowDataset(Positioned):
     """``ds[i] -> (input, target)`` numpy views of ``seq_len`` tokens each."""
 
     def __init__(
@@ -29,25 +31,22 @@ class TokenWindowDataset:
     ) -> None:
         if seq_len < 1:
             raise ConfigError(f"seq_len must be >= 1, got {seq_len}")
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ConfigError(f"rank {rank} is not in a world of {world_size}")
         self.dataset = dataset if isinstance(dataset, IndexedDataset) else IndexedDataset(dataset)
         self.seq_len = seq_len
         self.rank = rank
         self.world_size = world_size
         total_windows = max(0, (self.dataset.num_tokens - 1) // seq_len)
-        self.num_windows = total_windows // world_size  # per rank, equal on every rank
+        self.split = EpochSplit(total_windows, rank, world_size, "strided")
         self._tokens = self._plain(self.dataset.flat_tokens())
         self._ring: BatchRing | None = None
 
-    def __len__(self) -> int:
-        return self.num_windows
+    @property
+    def num_windows(self) -> int:
+        """Windows of this rank (equal on every rank)."""
+        return self.split.share
 
-    def global_index(self, i: int) -> int:
-        """Window number in the whole dataset of this rank's ``i``-th window."""
-        if not 0 <= i < self.num_windows:
-            raise IndexError(f"window {i} out of range for {self.num_windows} windows on rank {self.rank}")
-        return i * self.world_size + self.rank
+    def position_identity(self) -> dict[str, Any]:
+        return {"kind": "windows", "dataset": self.dataset.fingerprint(), "seq_len": self.seq_len}
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         start = self.global_index(i) * self.seq_len
@@ -57,9 +56,7 @@ class TokenWindowDataset:
     def __getitems__(self, indices: list[int]) -> dict[str, Any]:
         """A whole batch in one gather (the DataLoader calls this when it exists)."""
         idx = np.asarray(indices, dtype=np.int64)
-        if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= self.num_windows):
-            raise IndexError(f"window index out of range for {self.num_windows} windows on rank {self.rank}")
-        starts = (idx * self.world_size + self.rank) * self.seq_len
+        starts = self.split.positions_of(idx) * self.seq_len
         ring = self._ring
         if ring is not None and len(idx) <= ring.data.shape[1]:
             from torch.utils.data import get_worker_info
