@@ -22,6 +22,7 @@ sources return: blend ``PackedDataset``s to train on packed rows (collate with `
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from typing import Any
 import numpy as np
 
 from tierio.data.position import EpochSplit, Positioned
+from tierio.data.ring import BatchRing
+from tierio.data.window import TokenWindowDataset, window_output
 from tierio.errors import ConfigError, TierioError
 from tierio.stats import Stats
 
@@ -121,6 +124,14 @@ class BlendedDataset(Positioned):
                 self.size = int(np.argmax(over))
                 self.source_index, self.sample_index = self.source_index[: self.size], self.sample_index[: self.size]
         self.split = EpochSplit(self.size, rank, world_size, "strided")
+        lens = {getattr(s, "seq_len", None) for s in self.sources}
+        windows = all(isinstance(s, TokenWindowDataset) for s in self.sources) and len(lens) == 1
+        self.seq_len: int | None = lens.pop() if windows else None  # token windows: batches as one gather
+        self._ring: BatchRing | None = None
+
+    def use_ring(self, ring: BatchRing | None) -> None:
+        """Let DataLoader workers write window batches into ``ring`` (blends of token windows)."""
+        self._ring = ring
 
     def _default_size(self) -> int:
         live = self.weights > 0
@@ -148,6 +159,8 @@ class BlendedDataset(Positioned):
         """A batch: each source read once for its samples, then put back in the blend's order."""
         pos = self.split.positions_of(np.asarray(indices, dtype=np.int64))
         src, k = self.source_index[pos], self.sample_index[pos]
+        if self.seq_len is not None:
+            return window_output(self._ring, len(pos), self.seq_len, lambda rows: self._copy_windows(rows, src, k))
         order = np.argsort(src, kind="stable")
         parts = [self._read(int(d), k[order][src[order] == d]) for d in np.unique(src).tolist()]
         back = np.argsort(order, kind="stable")
@@ -155,6 +168,13 @@ class BlendedDataset(Positioned):
             return {key: _pick(_concat([p[key] for p in parts]), back) for key in parts[0]}
         flat = [x for p in parts for x in (_rows(p) if isinstance(p, dict) else p)]
         return [flat[j] for j in back.tolist()]
+
+    def _copy_windows(self, out: np.ndarray, src: np.ndarray, k: np.ndarray) -> None:
+        for d in range(len(self.sources)):
+            rows = np.flatnonzero(src == d)
+            if not len(rows):
+                continue
+            self.sources[d].copy_windows(out, rows, k[rows] % self.lengths[d])
 
     def _read(self, d: int, k: np.ndarray, single: bool = False) -> Any:
         """Samples ``k`` of source ``d`` (``k`` past its end: its next pass)."""
@@ -218,6 +238,9 @@ def _open(source: Any, name: str, cache_dir: str | Path | None) -> Any:
         if not hasattr(source, "__len__"):
             raise ConfigError(f"blend source {name!r} is a {type(source).__name__}, which has no length: "
                               "pass datasets with len() and [i], StreamingDatasets, prefixes or URLs")
+        if getattr(source, "use_ring", None) is not None:  # its own loader's ring slots are not the blend's
+            source = copy.copy(source)
+            source.use_ring(None)
         return source
     from tierio.data.indexed import IndexedDataset
     from tierio.data.streaming import StreamingDataset

@@ -134,7 +134,8 @@ def build_loader(dataset: Any, batch_size: int, *, collate_fn: Callable | None =
 
     from tierio.data.blend import BlendedDataset
 
-    windows = isinstance(dataset, TokenWindowDataset)
+    windows = isinstance(dataset, TokenWindowDataset) or getattr(dataset, "seq_len", None) is not None and isinstance(
+        dataset, BlendedDataset)
     if collate_fn is None and (windows or isinstance(dataset, BlendedDataset)):
         collate_fn = collate_windows  # whole batches pass through
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=shuffle if not isinstance(dataset, IterableDataset) else None,

@@ -125,6 +125,8 @@ class EpochSplit:
         """Epoch positions of this rank's samples ``idx`` (an int64 array)."""
         if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= self.share):
             raise IndexError(f"sample index out of range for {self.share} on rank {self.rank}")
+        if self.world_size == 1 and not self.consumed:
+            return idx  # a whole epoch on one rank: sample i is position i
         return self._at(self._left_index(idx))
 
     def position(self, i: int) -> int:

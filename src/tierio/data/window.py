@@ -13,6 +13,7 @@ position is global (``tierio.data.position``): a state saved on one world size r
 from __future__ import annotations
 
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -57,35 +58,39 @@ class TokenWindowDataset(Positioned):
         """A whole batch in one gather (the DataLoader calls this when it exists)."""
         idx = np.asarray(indices, dtype=np.int64)
         starts = self.split.positions_of(idx) * self.seq_len
-        ring = self._ring
-        if ring is not None and len(idx) <= ring.data.shape[1]:
-            from torch.utils.data import get_worker_info
+        return window_output(self._ring, len(idx), self.seq_len, lambda rows: self._fill(rows, starts))
 
-            info = get_worker_info()
-            slot = ring.acquire(info.id) if info is not None else None
-            if slot is not None:  # write straight into pre-faulted shared memory, send the slot number
-                self._fill(ring.data[slot].numpy(), starts)
-                return RingRef(slot, len(idx))
-        t = batch_tensor((len(idx), self.seq_len + 1))
-        self._fill(t.numpy(), starts)
-        return window_batch(t)
+    def copy_windows(self, out: np.ndarray, rows: np.ndarray, samples: np.ndarray) -> None:
+        """Copy this rank's windows ``samples`` into ``out[rows]`` (rows of ``seq_len + 1`` tokens)."""
+        starts = self.split.positions_of(samples) * self.seq_len
+        view = self._run(starts)
+        if view is not None:
+            out[rows] = view
+            return
+        for r, s in zip(rows.tolist(), starts.tolist()):
+            out[r] = self._tokens[s : s + self.seq_len + 1]
+
+    def _run(self, starts: np.ndarray) -> np.ndarray | None:
+        """Evenly spaced windows (sequential batches) as one strided view of the tokens, else None."""
+        n = len(starts)
+        if n < 2:
+            return None
+        step = int(starts[1] - starts[0])
+        if step <= 0 or not bool(np.all(np.diff(starts) == step)):
+            return None
+        tokens = self._tokens
+        itemsize = tokens.itemsize
+        return np.lib.stride_tricks.as_strided(tokens[int(starts[0]) :], shape=(n, self.seq_len + 1),
+                                               strides=(step * itemsize, itemsize), writeable=False)
 
     def _fill(self, rows: np.ndarray, starts: np.ndarray) -> None:
+        view = self._run(starts)
+        if view is not None:  # one converting copy
+            rows[: len(starts)] = view
+            return
         L = self.seq_len + 1
-        tokens = self._tokens
-        n = len(starts)
-        if n > 1:
-            step = int(starts[1] - starts[0])
-            if step > 0 and bool(np.all(np.diff(starts) == step)):
-                # evenly spaced windows (sequential batches): one strided view, one converting copy
-                itemsize = tokens.itemsize
-                view = np.lib.stride_tricks.as_strided(
-                    tokens[int(starts[0]) :], shape=(n, L), strides=(step * itemsize, itemsize), writeable=False
-                )
-                rows[:n] = view
-                return
         for r, s in enumerate(starts.tolist()):  # contiguous row copies
-            rows[r] = tokens[s : s + L]
+            rows[r] = self._tokens[s : s + L]
 
     def use_ring(self, ring: BatchRing | None) -> None:
         """Let DataLoader workers fill batches into ``ring`` (set before the workers start)."""
@@ -104,6 +109,22 @@ class TokenWindowDataset(Positioned):
     def _plain(tokens: np.ndarray) -> np.ndarray:
         # a plain ndarray view of the mapping: slicing np.memmap builds a subclass object each time
         return tokens.view(np.ndarray)
+
+
+def window_output(ring: BatchRing | None, n: int, seq_len: int, fill: Callable[[np.ndarray], None]) -> Any:
+    """A batch of ``n`` windows written by ``fill(rows)``: inside a DataLoader worker, straight into a
+    free slot of pre-faulted shared memory (only the slot number travels); else into a new tensor."""
+    if ring is not None and n <= ring.data.shape[1]:
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        slot = ring.acquire(info.id) if info is not None else None
+        if slot is not None:
+            fill(ring.data[slot].numpy())
+            return RingRef(slot, n)
+    t = batch_tensor((n, seq_len + 1))
+    fill(t.numpy())
+    return window_batch(t)
 
 
 def window_batch(t) -> dict[str, Any]:
