@@ -159,3 +159,23 @@ def test_strategies_that_bypass_or_split_the_plugin_are_refused_naming_the_fix(t
         TierioCheckpointIO([str(tmp_path)]).save_checkpoint({}, tmp_path / "x.ckpt", storage_options={"compress": 1})
     with pytest.raises(ConfigError, match="per_rank='mine'"):
         TierioCheckpointIO([str(tmp_path)], per_rank="mine")
+
+
+def test_global_data_positions_resume_on_another_world_size():
+    """Loader states that are tierio global positions (the same on every rank) have a place on any
+    world size; any other loader state is still refused there."""
+    from tierio.data import TokenWindowDataset, build_indexed
+    from tierio.integrations import lightning as tl
+
+    def checkpoint(states):
+        return {"loops": {"fit_loop": {"state_dict": {"combined_loader": states}}}}
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        build_indexed([list(range(100))], f"{d}/c", dtype="int32")
+        state = TokenWindowDataset(f"{d}/c", 4, rank=1, world_size=4).state_dict(consumed=2)
+    tl._check_no_loader_state(checkpoint([state]), "ck", 4, 2)  # accepted
+    tl._check_no_loader_state(checkpoint([]), "ck", 4, 2)
+    with pytest.raises(ConfigError, match="no faithful place on 2"):
+        tl._check_no_loader_state(checkpoint([state, {"batches": 3}]), "ck", 4, 2)

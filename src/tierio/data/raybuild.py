@@ -159,8 +159,7 @@ def build_on_ray(inputs: Sequence[str | Path], out: str | Path, options: RayBuil
 def _settings(o: RayBuildOptions) -> PartSettings:
     vocab = o.vocab_size
     if vocab is None and o.tokenizer is not None:  # one dtype for every part, from the tokenizer
-        vocab = load_tokenizer(o.tokenizer).get_vocab_size() + (1 if o.append_eos is not None else 0)
-        vocab = max(vocab, (o.append_eos or 0) + 1)
+        vocab = max(load_tokenizer(o.tokenizer).get_vocab_size(), (o.append_eos or 0) + 1)
     if vocab is None:
         raise ConfigError("a parts build needs the vocabulary size to give every part one token dtype: pass "
                           "--vocab-size (or --tokenizer, whose vocabulary is used)")
