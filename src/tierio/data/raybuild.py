@@ -128,8 +128,9 @@ def build_on_ray(inputs: Sequence[str | Path], out: str | Path, options: RayBuil
     t0 = time.perf_counter()
     done: list[PartRecord] = []
     todo: list[PartSpec] = []
+    listed = set(store.list("part-"))  # one listing, then a read per record that exists
     for spec in specs:  # a part whose record matches its input is already built
-        rec = read_record(store, spec.name)
+        rec = read_record(store, spec.name) if f"{spec.name}.json" in listed else None
         if rec is not None and rec.fingerprint == spec.fingerprint:
             done.append(rec)
         else:
