@@ -102,6 +102,11 @@ def test_resume_on_another_world_size_sees_every_sample_once(sources, kind):
             loader.load_state_dict(states[0])
             after += [n for b in loader for n in names(b)]
             assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["consumed"] == []
+            if r == 0 and workers:  # the next epoch is whole again, as on a fresh start
+                fresh = _loader(make, collate, 0, world, 0)
+                fresh.dataset.set_epoch(1)
+                fresh.epoch = 1
+                assert [n for b in loader for n in names(b)] == [n for b in fresh for n in names(b)]
             loader._drop_loader()
         seen = before + after
         assert len(seen) == len(set(seen)), f"a sample seen twice (seed {SEED}, {steps} steps, {world} ranks)"
