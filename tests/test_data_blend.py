@@ -73,7 +73,7 @@ def test_bad_weights_are_config_errors(tmp_path, weights):
 def test_missing_or_damaged_source_fails_at_construction_naming_it(tmp_path):
     good = _corpus(tmp_path / "good", 0, 100)
     with pytest.raises(NotFoundError, match="blend source 'code'"):
-        BlendedDataset([good, str(tmp_path / "nothing")], [1, 1], names=["web", "code"])
+        BlendedDataset({"web": good, "code": str(tmp_path / "nothing")}, [1, 1])
     bad = _corpus(tmp_path / "bad", 0, 100)
     with open(f"{bad}.idx", "r+b") as f:
         f.truncate(30)
@@ -91,7 +91,7 @@ def test_windows_blend_through_workers_states_each_source(tmp_path):
     assert info["source 1"].state == "exhausted" and info["source 1"].drawn == 50  # 50 / 0.2: the first to run out
     assert info["source 0"].state == info["source 2"].state == "partial" and abs(blend.size - 250) <= 3
     assert sum(i.drawn for i in info.values()) == blend.size
-    one_more = BlendedDataset(sources, [0.5, 0.2, 0.3], size=blend.size + 1).sources_info()
+    one_more = BlendedDataset(sources, [0.5, 0.2, 0.3], samples=blend.size + 1).sources_info()
     assert [i.state for i in one_more] == ["partial", "upsampled", "partial"]  # the default is the largest size
     first = [int(x[0]) for x, _ in (blend[i] for i in range(len(blend)))]
     assert [f // 100_000 for f in first] == blend.source_index.tolist()
@@ -101,7 +101,7 @@ def test_windows_blend_through_workers_states_each_source(tmp_path):
         assert batch["input_ids"].shape[1] == SEQ and (batch["labels"][:, 0] == batch["input_ids"][:, 0] + 1).all()
         got += batch["input_ids"][:, 0].tolist()
     assert got == first
-    bigger = BlendedDataset(sources, [0.5, 0.2, 0.3], size=1000)
+    bigger = BlendedDataset(sources, [0.5, 0.2, 0.3], samples=1000)
     states = {i.name: i.state for i in bigger.sources_info()}
     assert states == {"source 0": "upsampled", "source 1": "upsampled", "source 2": "upsampled"}
     again = [k for d, k in zip(bigger.source_index.tolist(), bigger.sample_index.tolist()) if d == 1]
@@ -130,7 +130,7 @@ def test_blend_of_a_stream_on_s3_and_a_local_prefix(tmp_path, s3_url):
     local = str(tmp_path / "local")
     build_indexed([[k] for k in range(90)], local, dtype=np.int32)
     stream = StreamingDataset(s3_url, tmp_path / "cache", "16MiB", seed=3)
-    blend = BlendedDataset([stream, IndexedDataset(local)], [0.5, 0.5], size=200)  # the stream read in 2 epochs
+    blend = BlendedDataset([stream, IndexedDataset(local)], [0.5, 0.5], samples=200)  # the stream read in 2 epochs
     assert {i.state for i in blend.sources_info()} == {"upsampled"}
     order = [stream.rank_sample_ids(e).tolist() for e in range(2)]
     got = blend.__getitems__(list(range(len(blend))))

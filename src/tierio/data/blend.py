@@ -8,7 +8,7 @@ same (source, sample) pairs; a test compares the two arrays when megatron-core i
 choice has no randomness: the order inside each source is the source's own (a StreamingDataset
 shuffles from its seed, an IndexedDataset or token windows are in file order).
 
-The blend's ``size`` defaults to the largest for which no source is drawn past its end; a larger
+The blend's size (``samples``) defaults to the largest for which no source is drawn past its end; a larger
 size reads a source again from its start (a StreamingDataset: its next epoch, in a new order).
 ``sources_info()`` says for each source whether it is used in part, exactly once (``exhausted``)
 or more than once (``upsampled``). Megatron's own datasets differ there: a GPTDataset built for
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,33 +92,36 @@ class SourceUse(Stats):
 class BlendedDataset(Positioned):
     """``ds[i]`` is this rank's ``i``-th sample of the blend of ``sources`` by ``weights``.
 
-    sources: datasets with ``len()`` and ``[k]`` (IndexedDataset, TokenWindowDataset, PackedDataset,
+    sources: a list, or a dict of name -> source (the names are what messages and ``sources_info()``
+        call them; a list's are their paths or ``source i``). Each is a dataset with ``len()`` and ``[k]`` (IndexedDataset, TokenWindowDataset, PackedDataset,
         a BlendedDataset), StreamingDatasets, or Megatron prefixes / shard dataset URLs as text
         (``"/data/web"`` with ``web.idx``/``web.bin`` beside it; ``"s3://bucket/code"`` holding an
         ``index.json``, read through ``cache_dir``). Each is opened and checked now: a missing or
         damaged source fails here, with its name.
     weights: one per source; normalised. Negative, NaN or all-zero weights are a ConfigError.
-    size: samples in the blend; by default the most for which no source is read twice.
-    names: what messages and ``sources_info()`` call the sources (default: their paths or ``source i``).
+    samples: the blend's size (megatron-core's ``size``, kept as ``self.size``); by default the most
+        for which no source is read twice.
     """
 
-    def __init__(self, sources: Sequence[Any], weights: Sequence[float], size: int | None = None, *,
-                 rank: int = 0, world_size: int = 1, names: Sequence[str] | None = None,
-                 cache_dir: str | Path | None = None) -> None:
+    def __init__(self, sources: Sequence[Any] | Mapping[str, Any], weights: Sequence[float], samples: int | None = None,
+                 *, rank: int = 0, world_size: int = 1, cache_dir: str | Path | None = None) -> None:
         if len(sources) != len(weights):
             raise ConfigError(f"a blend takes one weight per source: {len(sources)} source(s), {len(weights)} weight(s)")
         self.weights = normalized_weights(weights)
-        self.names = list(names) if names is not None else [_name(s, i) for i, s in enumerate(sources)]
-        self.sources = [_open(s, n, cache_dir) for s, n in zip(sources, self.names)]
+        if isinstance(sources, Mapping):
+            self.names, given = [str(k) for k in sources], list(sources.values())
+        else:
+            self.names, given = [_name(s, i) for i, s in enumerate(sources)], list(sources)
+        self.sources = [_open(s, n, cache_dir) for s, n in zip(given, self.names)]
         self.lengths = np.asarray([_length(s, n) for s, n in zip(self.sources, self.names)], dtype=np.int64)
         for name, n, w in zip(self.names, self.lengths.tolist(), self.weights.tolist()):
             if n == 0 and w > 0:
                 raise ConfigError(f"blend source {name!r} has no samples but weight {w:.4g}: drop it or give it data")
-        self.size = self._default_size() if size is None else int(size)
+        self.size = self._default_size() if samples is None else int(samples)
         if self.size < 0:
-            raise ConfigError(f"blend size must be >= 0, got {size}")
+            raise ConfigError(f"a blend's samples must be >= 0, got {samples}")
         self.source_index, self.sample_index = blending_indices(self.weights, self.size)
-        if size is None:  # cut where a source would first be read past its end
+        if samples is None:  # cut where a source would first be read past its end
             over = self.sample_index >= self.lengths[self.source_index]
             if over.any():
                 self.size = int(np.argmax(over))
