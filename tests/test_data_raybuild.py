@@ -146,18 +146,14 @@ def test_a_task_killed_mid_part_is_retried_to_the_same_bytes(cluster, corpus, tm
     assert _files(tmp_path / "out") == _files(tmp_path / "ref")
 
 
-DRIVER = """
-import sys
-from tierio.data.raybuild import build_on_ray
-build_on_ray([sys.argv[1]], sys.argv[2], address=sys.argv[3], tokenizer=sys.argv[4], append_eos=0, workers=1)
-"""
 
 
 def test_a_killed_driver_leaves_finished_parts_a_rerun_skips(cluster, corpus, tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-    p = subprocess.Popen([sys.executable, "-c", DRIVER, str(corpus / "in"), str(out), cluster,
-                          str(corpus / "tokenizer.json")], env=env)
+    p = subprocess.Popen([sys.executable, "-m", "tierio", "data", "build", str(corpus / "in"), str(out), "--engine",
+                          "ray", "--address", cluster, "--tokenizer", str(corpus / "tokenizer.json"), "--append-eos",
+                          "0", "--workers", "1"], env=env)  # the CLI, on the running Ray
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and p.poll() is None and not list(out.glob("part-00000[01].json")):
