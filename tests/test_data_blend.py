@@ -28,6 +28,7 @@ def test_blending_indices_follow_megatron_core():
     source, sample = blending_indices([5, 3, 2], 10)
     assert source.tolist() == [0, 1, 2, 0, 1, 0, 2, 0, 1, 0]
     assert sample.tolist() == [0, 0, 0, 1, 1, 2, 1, 3, 2, 4]
+    assert blending_indices([1, 1, 1], 7)[0].tolist() == [0, 1, 2, 0, 1, 2, 0]  # a tie goes to the first source
     # the blend's first n samples do not depend on its size (the rule looks back only)
     assert blending_indices([0.7, 0.1, 0.2], 50)[0].tolist() == blending_indices([0.7, 0.1, 0.2], 80)[0][:50].tolist()
 
@@ -35,11 +36,13 @@ def test_blending_indices_follow_megatron_core():
 def test_blending_indices_equal_megatron_core_own_helper():
     helpers = _megatron_helpers()
     rng = np.random.default_rng(29)
-    for _ in range(25):
+    ties = [np.ones(3) / 3, np.array([0.5, 0.25, 0.25]), np.array([0.25, 0.25, 0.5])]  # exact ties: first wins
+    for case in range(28):
         n = int(rng.integers(1, 7))
         w = rng.random(n) * (rng.random(n) > 0.2)
         w = (w if w.sum() else np.ones(n)) / (w.sum() or n)
-        size = int(rng.integers(0, 4000))
+        w = ties[case - 25] if case >= 25 else w
+        n, size = len(w), int(rng.integers(0, 4000))
         src, smp = np.zeros(size, np.int16), np.zeros(size, np.int64)
         helpers.build_blending_indices(src, smp, w, n, size, False)
         mine = blending_indices(w, size)
