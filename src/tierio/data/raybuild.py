@@ -30,7 +30,7 @@ from tierio.data.builder import build_inputs
 from tierio.data.documents import load_tokenizer
 from tierio.data.options import RayBuildOptions
 from tierio.data.parts import (
-    MANIFEST_KEY, PartRecord, PartSettings, PartSpec, manifest_of, part_name, plan_parts, publish_part, read_record,
+    MANIFEST_KEY, PartRecord, PartSettings, PartSpec, manifest_of, plan_parts, publish_part, read_record,
 )
 from tierio.errors import ConfigError
 from tierio.stats import Stats
@@ -225,4 +225,4 @@ class _Progress:
         self.poll()
 
 
-__all__ = ["BuildProgress", "PartsBuildStats", "TokenPartsDatasink", "build_on_ray", "build_part", "part_name"]
+__all__ = ["BuildProgress", "PartsBuildStats", "TokenPartsDatasink", "build_on_ray", "build_part"]
