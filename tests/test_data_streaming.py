@@ -100,14 +100,14 @@ def test_exact_resume_after_worker_count_change(tmp_path, local_url, workers_bef
         if step == 9:
             state = loader.state_dict()
             break
-    assert state["position"] == 80 and got == full[:80]
+    assert state["consumed"] == [[0, 80]] and got == full[:80]
     del loader
     gc.collect()
     resumed = StatefulLoader(make(), 8, num_workers=workers_after)
     resumed.load_state_dict(state)
     rest = [i for b in resumed for i in b["x"][:, 0].tolist()]
     assert got + rest == full  # nothing repeated, nothing skipped (N is a multiple of 8)
-    assert resumed.state_dict()["epoch"] == 1 and resumed.state_dict()["position"] == 0
+    assert resumed.state_dict()["epoch"] == 1 and resumed.state_dict()["consumed"] == []
 
 
 def test_state_dict_from_another_dataset_or_seed_is_refused(tmp_path, local_url):
@@ -116,15 +116,15 @@ def test_state_dict_from_another_dataset_or_seed_is_refused(tmp_path, local_url)
     for _ in range(5):
         next(it)
     state = ds.state_dict()
-    assert state["position"] == 5
+    assert state["consumed"] == [[0, 5]]
     with pytest.raises(ConfigError, match="seed"):
         StreamingDataset(local_url, tmp_path / "cache", "4MiB", seed=2).load_state_dict(state)
     other_url = f"file://{tmp_path / 'other'}"
     _write(other_url, n=N + 8)
     with pytest.raises(ConfigError, match="another dataset"):
         StreamingDataset(other_url, tmp_path / "cache2", "4MiB", seed=1).load_state_dict(state)
-    with pytest.raises(ConfigError, match="world_size"):
-        StreamingDataset(local_url, tmp_path / "cache", "4MiB", seed=1, world_size=2, rank=0).load_state_dict(state)
+    with pytest.raises(ConfigError, match="shuffle_buffer"):
+        StreamingDataset(local_url, tmp_path / "cache", "4MiB", seed=1, shuffle_buffer=7).load_state_dict(state)
     fresh = StreamingDataset(local_url, tmp_path / "cache", "4MiB", seed=1)
     fresh.load_state_dict(state)
     assert _ids(fresh) == ds.rank_sample_ids(0).tolist()[5:]
@@ -284,7 +284,8 @@ def test_worker_streams_interleave_to_the_rank_order_from_any_position(module_ur
         streams = []
         for w in range(workers):
             monkeypatch.setattr(streaming, "_worker", lambda w=w: (w, workers))
-            ds.load_state_dict({**ds.state_dict(consumed=0, epoch=2), "position": start})
+            ds.set_epoch(2)
+            ds.resume(2, start)
             ids = _ids(ds)
             streams.append([ids[i : i + batch] for i in range(0, len(ids), batch)])
         merged = []

@@ -383,3 +383,27 @@ def test_fuzz_pack_plan_meta(plan_bytes, data):
             np.lib.format.write_array(member, arr)
             zf.writestr(f"{name}.npy", member.getvalue())
     only_typed_errors(parse_plan, io.BytesIO(buf.getvalue()), "p.npz")
+
+
+# -- token parts manifest (a distributed build's parts.json) ------------------------------------
+def _parts_manifest() -> bytes:
+    from tierio.data.parts import PartRecord, manifest_of
+
+    recs = [PartRecord(f"part-{i:06d}", f"in/{i}.jsonl", "0123456789abcdef", "uint16", 3 + i, 4 + i, 100 * (i + 1),
+                       200 * (i + 1), 34 + 12 * (4 + i) + 8 * (4 + i), "0" * 16, "f" * 16) for i in range(3)]
+    return manifest_of(recs).to_bytes()
+
+
+PARTS_RAW = _parts_manifest()
+
+
+@FUZZ
+@given(mutated(PARTS_RAW, json.loads(PARTS_RAW)))
+def test_fuzz_parts_manifest(raw):
+    from tierio.data.parts import parse_manifest as parse_parts
+    from tierio.io.untrusted import loads
+
+    man = only_typed_errors(lambda: parse_parts(loads(raw, "parts.json", limit=1 << 20), "parts.json"))
+    if man is not None:
+        assert all(p.name.startswith("part-") and "/" not in p.name for p in man.parts)
+        assert man.tokens == sum(p.tokens for p in man.parts)

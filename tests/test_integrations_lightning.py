@@ -173,3 +173,23 @@ def test_step_time_reaches_tierio_metrics(tmp_path: Path) -> None:
                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
                    default_root_dir=tmp_path).fit(BoringModel())
     assert [e.timer for e in timed] == ["lightning"] * 4 and all(e.seconds > 0 for e in timed)   # batch 0 warms up
+
+
+def test_global_data_positions_resume_on_another_world_size():
+    """Loader states that are tierio global positions (the same on every rank) have a place on any
+    world size; any other loader state is still refused there."""
+    from tierio.data import TokenWindowDataset, build_indexed
+    from tierio.integrations import lightning as tl
+
+    def checkpoint(states):
+        return {"loops": {"fit_loop": {"state_dict": {"combined_loader": states}}}}
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        build_indexed([list(range(100))], f"{d}/c", dtype="int32")
+        state = TokenWindowDataset(f"{d}/c", 4, rank=1, world_size=4).state_dict(consumed=2)
+    tl._check_no_loader_state(checkpoint([state]), "ck", 4, 2)  # accepted
+    tl._check_no_loader_state(checkpoint([]), "ck", 4, 2)
+    with pytest.raises(ConfigError, match="no faithful place on 2"):
+        tl._check_no_loader_state(checkpoint([state, {"batches": 3}]), "ck", 4, 2)

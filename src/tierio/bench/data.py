@@ -34,6 +34,10 @@ and a Megatron .bin/.idx read straight from S3 (``bench_s3_indexed``, in tierio.
 
   s3_indexed_vs_local     second-epoch samples/s from S3 through the node cache / from local disk
 
+and the cluster figures (``tierio.bench.data_cluster``: the Ray build against the in-process builder,
+datatrove and litdata, its finishing step's bytes, a 3-source blend against one source; --no-cluster
+skips them).
+
 Peers are found if installed and named when missing: ``pip install litdata mosaicml-streaming``.
 With --skip-peers tierio's part of that comparison still runs (shard_bytes_overhead,
 first_epoch_disk_read_ratio, workers2_vs_workers0), without the peers.
@@ -54,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from tierio.bench import common
+from tierio.bench.data_cluster import TARGETS as CLUSTER_TARGETS
 from tierio.units import parse_size
 
 TARGETS = {
@@ -70,6 +75,7 @@ TARGETS = {
     "write_vs_mds_write_upload": (">=", 1.0),
     "plain_dataloader_workers2_vs_workers0": (">=", 1.0),
     "s3_indexed_vs_local": (">=", 0.9),
+    **CLUSTER_TARGETS,
 }
 
 
@@ -255,6 +261,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         pack = bench_pack(args.docs, args.seq_len, args.repeat)
         loader = bench_loader(work, parse_size(args.loader_size), args.seq_len, args.batch_size, args.repeat, args.passes)
         stream = peers = indexed = None
+        cluster = None if args.no_cluster else _cluster(work, args)
         if not args.skip_s3:
             stream = bench_stream(work, parse_size(args.stream_size), args.seq_len, parse_size(args.shard_size), args.repeat)
             from tierio.bench.data_peers import bench_peers
@@ -278,6 +285,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ratios.update(peers["ratios"])
     if indexed is not None:
         ratios.update(indexed["ratios"])
+    for part in (cluster or {}).values():
+        ratios.update(part.get("ratios", {}))
     return {
         "benchmark": "data",
         "machine": common.machine_facts(),
@@ -289,4 +298,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "stream": stream,
         "peers": peers,
         "indexed_s3": indexed,
+        "cluster": cluster,
     }
+
+
+def _cluster(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from tierio.bench.data_cluster import bench_blend, bench_build
+
+    out: dict[str, Any] = {"blend": bench_blend(work, args.repeat)}
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        out["build"] = {"missing": "pip install 'tierio[ray]'"}
+        return out
+    out["build"] = bench_build(work, parse_size(args.build_size), args.repeat, with_peers=not args.skip_peers)
+    return out

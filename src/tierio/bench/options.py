@@ -64,6 +64,10 @@ def data(p: argparse.ArgumentParser) -> None:
                    help="samples of 1,024 uint16 tokens in the comparison with litdata and MosaicML Streaming (default 200,000)")
     p.add_argument("--skip-peers", action="store_true",
                    help="skip litdata and MosaicML Streaming (tierio's own figures on the same samples still run)")
+    p.add_argument("--build-size", default="64MiB",
+                   help="JSONL text for the Ray build against the in-process builder and its peers (default 64MiB)")
+    p.add_argument("--no-cluster", action="store_true",
+                   help="skip the Ray build and mixture figures")
 
 
 def parquet(p: argparse.ArgumentParser) -> None:

@@ -23,6 +23,10 @@ examples:
                                                         Parquet lists of token ids (needs `pyarrow`)
   tierio data build data/ corpus --text-column text --tokenizer tokenizer.json
                                                         every .parquet under data/, text tokenized locally
+  tierio data build data/ parts --engine ray --tokenizer tokenizer.json --append-eos 0
+                                                        one part per input file, built in Ray tasks
+  tierio data build data/ s3://bucket/parts --engine ray --address auto --workers 64 --vocab-size 50257
+                                                        ... on a running Ray cluster, parts written to S3
   tierio data inspect corpus                            counts, dtype, length percentiles
   tierio data inspect corpus.idx --json                 the same for scripts
   tierio data inspect 's3://bucket/c/corpus?endpoint=http://127.0.0.1:8333'
@@ -48,7 +52,8 @@ def register(sub) -> None:
     b.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="input files, in order: .jsonl (token ids), .npy, text (.txt/.jsonl) with --tokenizer, "
                         ".parquet files or directories of them")
-    b.add_argument("output", metavar="OUTPUT", help="output prefix (writes OUTPUT.bin and OUTPUT.idx)")
+    b.add_argument("output", metavar="OUTPUT", help="output prefix (writes OUTPUT.bin and OUTPUT.idx); with --engine "
+                                                    "ray a directory or store URL of parts")
     b.add_argument("--key", default="tokens", help="JSON field with token ids (default: tokens)")
     b.add_argument("--tokenizer", help="local tokenizer.json to tokenize raw text")
     b.add_argument("--text-key", default="text", help="JSON field with text when tokenizing .jsonl (default: text)")
@@ -57,6 +62,11 @@ def register(sub) -> None:
     b.add_argument("--vocab-size", type=int, help="vocabulary size: picks uint16 below 65,500, else int32")
     b.add_argument("--append-eos", type=int, metavar="ID", help="append this token id to every document")
     b.add_argument("--force", action="store_true", help="replace the output dataset if it exists")
+    b.add_argument("--engine", choices=["local", "ray"], default="local",
+                   help="local: one process, one .bin/.idx (default); ray: one part per input file built in Ray "
+                        "tasks, published atomically, plus parts.json (needs `pip install 'tierio[ray]'`)")
+    b.add_argument("--address", help="with --engine ray: the Ray cluster (e.g. auto); default: start a local Ray")
+    b.add_argument("--workers", type=int, default=2, help="with --engine ray: parts built at once (default 2)")
     b.add_argument("--json", action="store_true", help="print JSON")
     b.set_defaults(handler=_build)
 
@@ -132,6 +142,11 @@ def _show(title: str, d: dict, as_json: bool) -> None:
 def _build(args) -> int:
     from tierio.data.builder import build_inputs
 
+    if args.engine == "ray":
+        return _build_on_ray(args)
+    if args.address is not None:
+        raise ConfigError("--address names a Ray cluster: use it with --engine ray")
+
     parquet = None
     if args.column is not None or args.text_column is not None:
         from tierio.data.parquet import ParquetColumns
@@ -151,6 +166,25 @@ def _build(args) -> int:
     st["seconds"] = round(seconds, 3)
     st["tokens_per_s"] = round(st["tokens"] / seconds) if seconds > 0 else None
     _show(f"built {args.output}", st, args.json)
+    return 0
+
+
+def _build_on_ray(args) -> int:
+    try:
+        from tierio.data.raybuild import build_on_ray
+    except ImportError as e:
+        raise ConfigError(f"--engine ray needs Ray Data ({e}): pip install 'tierio[ray]'") from None
+    t0 = time.perf_counter()
+    with progress(f"building {args.output} on Ray", quiet=args.json) as advance:
+        def note(p) -> None:
+            advance(0, f"parts {p.done}/{p.parts}, {p.documents:,} documents, {p.tokens:,} tokens "
+                       f"({p.tokens_per_s:,.0f} tokens/s, {time.perf_counter() - t0:.0f} s)")
+
+        st = build_on_ray(args.inputs, args.output, address=args.address, workers=args.workers, key=args.key,
+                          tokenizer=args.tokenizer, text_key=args.text_key, column=args.column,
+                          text_column=args.text_column, vocab_size=args.vocab_size, append_eos=args.append_eos,
+                          progress=note)
+    _show(f"built {args.output}", st.to_dict(), args.json)
     return 0
 
 

@@ -3,6 +3,7 @@
 import warnings
 from typing import Any
 
+from tierio.data.blend import BlendedDataset, SourceUse
 from tierio.data.builder import BuildStats, build_indexed, inspect_indexed, iter_input, merge_indexed
 from tierio.data.export import export_dataset
 from tierio.data.indexed import IndexedDataset, IndexedDatasetWriter, optimal_dtype
@@ -16,6 +17,7 @@ from tierio.data.streaming import StreamingDataset, packed_transform
 from tierio.data.window import TokenWindowDataset, collate_windows
 
 __all__ = [
+    "BlendedDataset", "SourceUse",
     "BuildStats", "build_indexed", "inspect_indexed", "iter_input", "merge_indexed",
     "IndexedDataset", "IndexedDatasetWriter", "optimal_dtype",
     "LoaderOptions", "LoaderSettings", "StatefulLoader", "build_loader", "loader_settings", "pinned_memory_estimate",

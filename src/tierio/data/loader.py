@@ -132,9 +132,12 @@ def build_loader(dataset: Any, batch_size: int, *, collate_fn: Callable | None =
         drop_last = bool(kw.pop("drop_last", False))  # the dataset drops a short batch: the loader gets whole ones
         return StreamLoader(dataset.batched(drop_last), kw)
 
-    windows = isinstance(dataset, TokenWindowDataset)
-    if collate_fn is None and windows:
-        collate_fn = collate_windows
+    from tierio.data.blend import BlendedDataset
+
+    windows = isinstance(dataset, TokenWindowDataset) or getattr(dataset, "seq_len", None) is not None and isinstance(
+        dataset, BlendedDataset)
+    if collate_fn is None and (windows or isinstance(dataset, BlendedDataset)):
+        collate_fn = collate_windows  # whole batches pass through
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=shuffle if not isinstance(dataset, IterableDataset) else None,
                         collate_fn=collate_fn, **kw)
     if windows and ring and kw.get("num_workers", 0) > 0 and collate_fn is collate_windows:
@@ -300,11 +303,13 @@ def _batch_len(batch: Any) -> int:
 
 
 class StatefulLoader:
-    """A DataLoader over a StreamingDataset that knows where it is.
+    """A DataLoader over a dataset with a global position (StreamingDataset, TokenWindowDataset,
+    PackedDataset, BlendedDataset) that knows where it is.
 
-    ``state_dict()`` returns the dataset position (epoch, samples consumed by this rank) as
-    plain JSON-able data; ``load_state_dict()`` restarts the workers there, with any number of
-    workers. Iterate it like the DataLoader it wraps; each ``iter()`` is one epoch.
+    ``state_dict()`` returns the position in the epoch that every rank reached together (epoch and
+    the samples of the epoch's order consumed, ``tierio.data.position``) as plain JSON-able data;
+    ``load_state_dict()`` restarts the workers there, with any number of workers or ranks. Iterate
+    it like the DataLoader it wraps; each ``iter()`` is one epoch.
     """
 
     def __init__(self, dataset: Any, batch_size: int, *, collate_fn: Callable | None = None,
@@ -317,8 +322,8 @@ class StatefulLoader:
         self._settings = settings
         self._overrides = overrides
         self._loader = None
-        self.epoch = dataset._next_epoch
-        self.position = dataset._next_start
+        self.epoch = dataset.split.epoch
+        self.position = 0  # samples this rank received since the dataset's split began
         self._in_epoch = False
 
     def _persistent(self) -> bool:
@@ -332,7 +337,8 @@ class StatefulLoader:
             self._drop_loader()
         if self._loader is None or not self._persistent():
             # the dataset is pickled into fresh workers: tell it where to start
-            self.dataset._next_epoch, self.dataset._next_start = self.epoch, self.position
+            self.dataset.resume(self.epoch, self.position)
+            self.position = 0
             if self._loader is None:
                 self._loader = build_loader(self.dataset, self.batch_size, collate_fn=self._collate,
                                             settings=self._settings, **self._overrides)
@@ -341,6 +347,10 @@ class StatefulLoader:
             self.position += _batch_len(batch)
             yield batch
         self._in_epoch = False
+        from torch.utils.data import IterableDataset
+
+        if not isinstance(self.dataset, IterableDataset) and not self.dataset.split.fresh:
+            self._drop_loader()  # map-style workers hold the resumed split: the next epoch is whole again
         self.epoch, self.position = self.epoch + 1, 0
 
     def __len__(self) -> int:
@@ -350,8 +360,8 @@ class StatefulLoader:
         return self.dataset.state_dict(consumed=self.position, epoch=self.epoch)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.dataset.check_state(state)
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.dataset.load_state_dict(state)
+        self.epoch, self.position = self.dataset.split.epoch, 0
         self._in_epoch = False
         self._drop_loader()
 

@@ -71,4 +71,33 @@ class LoaderOptions(Options):
     drop_last: bool = True
 
 
-__all__ = ["DEFAULT_SHARD_SIZE", "LoaderOptions", "ShardOptions", "StreamingOptions"]
+@dataclass(frozen=True)
+class RayBuildOptions(Options):
+    """How ``tierio.data.raybuild.build_on_ray`` prepares a corpus on Ray.
+
+    address: a Ray cluster ("ray://host:10001", "auto"); None starts a local Ray of ``workers`` CPUs
+        (or uses the one this process is already connected to).
+    workers: parts built at once (one CPU each).
+    retries: times Ray runs a part's task again after its worker died.
+    key, tokenizer, text_key, column, text_column, vocab_size, append_eos: as in `tierio data build`
+        (each part is one input built with them); ``vocab_size`` (or the tokenizer's) gives every
+        part the same token dtype.
+    scratch_dir: where a task builds its part before publishing it (default: the system's temp dir).
+    progress: called about once a second with a ``BuildProgress`` (parts, documents, tokens, rate).
+    """
+
+    address: str | None = None
+    workers: int = 2
+    retries: int = 3
+    key: str = "tokens"
+    tokenizer: str | Path | None = None
+    text_key: str = "text"
+    column: str | None = None
+    text_column: str | None = None
+    vocab_size: int | None = None
+    append_eos: int | None = None
+    scratch_dir: str | None = None
+    progress: Callable[[Any], None] | None = None
+
+
+__all__ = ["DEFAULT_SHARD_SIZE", "LoaderOptions", "RayBuildOptions", "ShardOptions", "StreamingOptions"]

@@ -38,6 +38,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from tierio.data.binpack import bfd_window, ffd_window
+from tierio.data.position import EpochSplit, Positioned
 from tierio.data.tar import decode_npy
 from tierio.errors import ConfigError, FormatError, NotFoundError
 from tierio.io.durable import atomic_write
@@ -341,14 +342,17 @@ def pack_from_tokens(tokens: np.ndarray, seqlens: np.ndarray, seq_len: int, pad_
     return _pack_fields(input_ids, lens, seq_len)
 
 
-class PackedDataset:
-    """Map-style dataset of packs: ``ds[i]`` materialises pack ``i`` of ``plan`` from ``dataset``.
+class PackedDataset(Positioned):
+    """Map-style dataset of packs: ``ds[i]`` materialises this rank's pack ``i`` of ``plan`` from ``dataset``.
 
     ``dataset`` is an IndexedDataset; packs read whole documents through zero-copy views of
-    its mapping. The plan must have been made for this dataset (checked by fingerprint).
+    its mapping. The plan must have been made for this dataset (checked by fingerprint). Rank
+    ``r`` of ``world_size`` takes packs ``r, r + world_size, ...``; the position is global
+    (``state_dict``/``load_state_dict``, see ``tierio.data.position``).
     """
 
-    def __init__(self, dataset, plan: PackPlan, pad_id: int = 0, check_source: bool = True) -> None:
+    def __init__(self, dataset, plan: PackPlan, pad_id: int = 0, check_source: bool = True, *,
+                 rank: int = 0, world_size: int = 1) -> None:
         self.dataset = dataset
         self.plan = plan
         self.pad_id = pad_id
@@ -361,15 +365,15 @@ class PackedDataset:
         if len(plan.doc_ids) and int(plan.doc_ids.max()) >= dataset.num_documents:
             raise FormatError(f"pack plan names document {int(plan.doc_ids.max())} but {dataset.prefix} has {dataset.num_documents}")
         self._doc_offsets = dataset.document_offsets()
+        self.split = EpochSplit(len(plan), rank, world_size, "strided")
 
-    def __len__(self) -> int:
-        return len(self.plan)
+    def position_identity(self) -> dict[str, Any]:
+        return {"kind": "packs", "dataset": self.plan.source.get("fingerprint") or self.dataset.fingerprint(),
+                "packs": len(self.plan), "seq_len": self.plan.seq_len}
 
     def _documents(self, i: int) -> tuple[list[np.ndarray], np.ndarray]:
-        """Zero-copy views of pack ``i``'s documents, and their lengths."""
-        if not 0 <= i < len(self):
-            raise IndexError(f"pack {i} out of range for {len(self)} packs")
-        ids, lens = self.plan.pack(i)
+        """Zero-copy views of this rank's pack ``i``'s documents, and their lengths."""
+        ids, lens = self.plan.pack(self.global_index(i))
         flat = self.dataset.flat_tokens()
         return [flat[s : s + n] for s, n in zip(self._doc_offsets[ids].tolist(), lens.tolist())], lens
 

@@ -8,13 +8,16 @@ The order of an epoch is a pure function of (seed, epoch) and the manifest:
    shard boundaries without an unbounded reservoir);
 3. rank ``r`` of ``W`` takes the contiguous slice ``[r*n, (r+1)*n)`` with ``n = N // W`` (every
    rank the same count, so steps stay in lock-step; at most W-1 samples are skipped per epoch);
+   after a resume, the ``r``-th of ``W`` equal runs of what the epoch has left
+   (``tierio.data.position.EpochSplit``, contiguous layout);
 4. inside a rank, DataLoader worker ``w`` of ``k`` produces the batches ``w, w+k, w+2k, ...``.
    The DataLoader collects batches from workers round-robin, so the stream the training
    loop sees is the rank's slice in order, whatever the number of workers.
 
-Because the position in an epoch is just "samples consumed by this rank", ``state_dict()``
-is a few integers, and resuming, even with another number of workers, continues with the
-exact next sample: nothing repeated, nothing skipped.
+Because ranks move in lock-step, "every rank consumed c samples" names one set of positions of
+the epoch's order: ``state_dict()`` records those (a few intervals), and resuming, with another
+number of workers or of ranks, continues with the exact next samples: nothing repeated, nothing
+skipped.
 
 Batches are taken whole from the shards (``iter_batches``): a batch's ids are found with a few
 vectorised steps and each fixed-size field is gathered from the shard mapping in one copy, with
@@ -37,6 +40,7 @@ from tierio.data.cache import ShardCache
 from tierio.data.reader import ReaderBudget, ReaderOptions, ShardReader
 from tierio.data.ring import FieldRing, RingBatch
 from tierio.data.options import StreamingOptions
+from tierio.data.position import STATE_FORMAT, STATE_VERSION, EpochSplit, Positioned, check_state, runs_of
 from tierio.data.shards import ShardManifest, load_manifest
 from tierio.data.wire import rows_in_worker
 from tierio.data.workers import current_worker
@@ -47,8 +51,7 @@ from tierio.storage.url import as_store
 
 log = logging.getLogger(__name__)
 
-STATE_FORMAT = "tierio-stream-state"
-STATE_VERSION = 1
+OLD_STATE_FORMAT = "tierio-stream-state"  # per-rank positions (world size fixed); still loaded
 
 try:  # an IterableDataset when torch is present, a plain iterable otherwise
     from torch.utils.data import IterableDataset as _Base
@@ -138,7 +141,7 @@ class EpochOrder:
         return out
 
 
-class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
+class StreamingDataset(Positioned, _Base):  # type: ignore[misc,valid-type]
     """Iterate the samples of a shard dataset at ``url`` through a local cache.
 
     url: any store URL holding ``index.json`` + shards (``s3://...``, ``file:///...``, a path).
@@ -179,12 +182,10 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         self.reader_options = ReaderOptions(None if opts.cache_dir is None else Path(opts.cache_dir),
                                             int(opts.cache_limit_bytes), opts.wait_timeout,
                                             max(1, opts.max_open_shards), max(0, opts.prefetch))
-        self.samples_per_rank = self.manifest.num_samples // world_size
         self._counts = np.asarray([s.samples for s in self.manifest.shards], dtype=np.int64)
-        # position bookkeeping: what the next __iter__ will produce, and what this process consumed
-        self._next_epoch = 0
-        self._next_start = 0
-        self._cur_epoch = 0
+        # position bookkeeping: where the next __iter__ starts (_next_split), and the split being
+        # consumed with the samples this process took of it (split, _cur_pos)
+        self.split = self._next_split = EpochSplit(self.manifest.num_samples, rank, world_size, "contiguous")
         self._cur_pos = 0
         self._init_runtime()
 
@@ -194,10 +195,11 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         # tells a worker to start its own runtime instead of using the parent's threads/files
         self._pid = os.getpid()
         self._reader = ShardReader(self.store, self.manifest, self.reader_options)
+        self._order: EpochOrder | None = None  # the last epoch order take_positions used
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        for k in ("store", "_reader"):
+        for k in ("store", "_reader", "_order"):
             state.pop(k, None)  # clients, threads and open files do not cross processes
         return state
 
@@ -210,8 +212,9 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
     def _open_store(url: str) -> Store:
         return as_store(url)
 
-    def __len__(self) -> int:
-        return self.samples_per_rank
+    @property
+    def samples_per_rank(self) -> int:
+        return self.split.share
 
     @property
     def cache(self) -> ShardCache | None:
@@ -247,17 +250,36 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
     # -- order ------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Start the next iteration at the beginning of ``epoch``."""
-        self._next_epoch, self._next_start = int(epoch), 0
+        self.split = self._next_split = self._next_split.moved(epoch)
+        self._cur_pos = 0
+
+    def resume(self, epoch: int, count: int) -> None:
+        """Start the next iteration in ``epoch`` after every rank took ``count`` samples of its share."""
+        super().resume(epoch, count)
+        self._next_split, self._cur_pos = self.split, 0
 
     def epoch_order(self, epoch: int) -> EpochOrder:
         self._check_process()
         return EpochOrder(self._counts, self.seed, epoch, self.shuffle, self.shuffle_buffer,
                           before_permuting=self._reader.check_size)
 
+    def take_positions(self, epoch: int, positions: np.ndarray) -> dict[str, Any]:
+        """The samples at ``positions`` of ``epoch``'s global order as one batch (random access,
+        whatever the rank: what a blend of sources reads)."""
+        order = self._order
+        if order is None or order.epoch != epoch or self._pid != os.getpid():
+            order = self._order = self.epoch_order(epoch)
+        pos = np.asarray(positions, dtype=np.int64)
+        uniq, back = np.unique(pos, return_inverse=True)
+        gids = _take(order, runs_of(uniq))[back]
+        shards = order.shard_of(gids)
+        return self._reader.take(shards, gids - order.first_sample[shards], self.copy)
+
     def rank_sample_ids(self, epoch: int) -> np.ndarray:
         """Every global sample id this rank sees in ``epoch``, in order (for checks and tools)."""
-        base = self.rank * self.samples_per_rank
-        return self.epoch_order(epoch).positions(base, base + self.samples_per_rank)
+        split = self.split.moved(epoch)
+        order = self.epoch_order(epoch)
+        return _take(order, split.runs(0, split.share))
 
     # -- iteration --------------------------------------------------------------------------
     def _my_batches(self) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
@@ -265,24 +287,25 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         of each sample, index of each sample in its shard). Starts where ``load_state_dict`` or
         ``set_epoch`` said, then moves the next iteration to the following epoch."""
         self._check_process()
-        epoch, start = self._next_epoch, self._next_start
-        self._next_epoch, self._next_start = epoch + 1, 0
-        self._cur_epoch, self._cur_pos = epoch, start
+        split = self._next_split
+        self._next_split = split.moved(split.epoch + 1)
+        self.split, self._cur_pos = split, 0
         w, nw = _worker()
         reader = self._reader
         reader.set_workers(nw)
-        order = self.epoch_order(epoch)
-        n = self.samples_per_rank
-        base = self.rank * n
+        order = self.epoch_order(split.epoch)
+        n = split.share
         B = self.batch_size
         step = B * nw  # one batch of every worker
         chunk = -(-max(self.shuffle_buffer, 256) // step) * step
-        pos = start
+        pos = 0
         try:
             while pos < n:
                 end = min(pos + chunk, n)
-                gids = order.positions(base + pos, base + end)
-                reader.prefetch(order.upcoming_shards(base + end, reader.budget.prefetch, base + n))
+                gids = _take(order, split.runs(pos, end))
+                ahead = split.runs(end, n)[:1]  # the shards ahead in this rank's next run
+                if ahead:
+                    reader.prefetch(order.upcoming_shards(ahead[0][0], reader.budget.prefetch, ahead[0][1]))
                 shards = order.shard_of(gids)
                 local = gids - order.first_sample[shards]
                 mine = [(a, min(a + B, end - pos)) for a in range(w * B, end - pos, step)]
@@ -319,44 +342,46 @@ class StreamingDataset(_Base):  # type: ignore[misc,valid-type]
         return BatchStream(self, drop_last)
 
     # -- resumption -------------------------------------------------------------------------
-    def state_dict(self, consumed: int | None = None, epoch: int | None = None) -> dict[str, Any]:
-        """Where this rank is. With workers, pass ``consumed`` (samples the loop received this
-        epoch) and ``epoch``; ``tierio.data.loader.StatefulLoader`` does this for you."""
-        e = self._cur_epoch if epoch is None else epoch
-        pos = self._cur_pos if consumed is None else consumed
-        if pos >= self.samples_per_rank:
-            e, pos = e + 1, 0
-        return {
-            "format": STATE_FORMAT, "version": STATE_VERSION,
-            "dataset": self.manifest.fingerprint, "url": self.url,
-            "seed": self.seed, "shuffle": self.shuffle, "shuffle_buffer": self.shuffle_buffer,
-            "rank": self.rank, "world_size": self.world_size,
-            "epoch": int(e), "position": int(pos),
-        }
+    def position_identity(self) -> dict[str, Any]:
+        return {"kind": "stream", "dataset": self.manifest.fingerprint, "seed": self.seed, "shuffle": self.shuffle,
+                "shuffle_buffer": self.shuffle_buffer}
 
-    def check_state(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
-            raise FormatError(f"not a {STATE_FORMAT} v{STATE_VERSION} state dict: {str(state)[:120]}")
-        if state["dataset"] != self.manifest.fingerprint:
-            raise ConfigError(
-                f"state dict belongs to another dataset (manifest {state['dataset']} at {state.get('url')}), "
-                f"not {self.manifest.fingerprint} at {self.url}: resuming would repeat or skip samples"
-            )
-        for key in ("seed", "shuffle", "shuffle_buffer", "world_size", "rank"):
-            mine = getattr(self, key)
-            if state[key] != mine:
-                raise ConfigError(
-                    f"state dict was saved with {key}={state[key]!r} but this dataset has {key}={mine!r}: "
-                    "the sample order would differ; construct the dataset with the saved value"
-                )
-        if not 0 <= int(state["position"]) <= self.samples_per_rank or int(state["epoch"]) < 0:
-            raise FormatError(f"state dict position {state['position']} / epoch {state['epoch']} is out of range")
+    def state_dict(self, consumed: int | None = None, epoch: int | None = None) -> dict[str, Any]:
+        """The global position (JSON): the samples of the epoch every rank consumed together. With
+        workers, pass ``consumed`` (samples the loop received since the split began) and ``epoch``;
+        ``tierio.data.loader.StatefulLoader`` does this for you."""
+        split = self.split
+        if epoch is not None and epoch != split.epoch:
+            split = self._next_split if epoch == self._next_split.epoch else split.moved(epoch)
+        count = self._cur_pos if consumed is None else consumed
+        return {"format": STATE_FORMAT, "version": STATE_VERSION, "url": self.url, **self.position_identity(),
+                **split.state(count)}
+
+    def check_state(self, state: dict[str, Any]) -> EpochSplit:
+        if isinstance(state, dict) and state.get("format") == OLD_STATE_FORMAT:
+            state = self._upgrade(state)
+        return check_state(state, self.position_identity(), self.split, f"streaming dataset {self.url}")
+
+    def _upgrade(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A per-rank state of the previous format as the global position it implies (ranks in lock-step)."""
+        try:
+            world, epoch, pos = int(state["world_size"]), int(state["epoch"]), int(state["position"])
+            old = EpochSplit(self.manifest.num_samples, 0, world, "contiguous", epoch)
+            return {**state, "format": STATE_FORMAT, "version": STATE_VERSION, "kind": "stream", **old.state(pos)}
+        except (KeyError, TypeError, ValueError, ConfigError) as e:
+            raise FormatError(f"not a {OLD_STATE_FORMAT} state dict ({e}): {str(state)[:120]}") from None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue at the saved (epoch, position) on the next ``iter()``."""
-        self.check_state(state)
-        self._next_epoch, self._next_start = int(state["epoch"]), int(state["position"])
-        self._cur_epoch, self._cur_pos = self._next_epoch, self._next_start
+        """Continue at the saved position on the next ``iter()``, on any number of ranks and workers."""
+        self.split = self._next_split = self.check_state(state)
+        self._cur_pos = 0
+
+
+def _take(order: EpochOrder, runs: list[tuple[int, int]]) -> np.ndarray:
+    """Sample ids at the given runs of epoch positions, in order."""
+    if len(runs) == 1:
+        return order.positions(*runs[0])
+    return np.concatenate([order.positions(a, b) for a, b in runs]) if runs else np.zeros(0, dtype=np.int64)
 
 
 class BatchStream(_Base):  # type: ignore[misc,valid-type]

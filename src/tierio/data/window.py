@@ -6,22 +6,25 @@ GPT dataset does). Window ``i`` is tokens ``[i*seq_len, i*seq_len + seq_len + 1)
 of the mapping; conversion to int64 happens once per batch in ``__getitems__``/``collate``.
 
 Ranks take windows ``rank, rank + world, rank + 2*world, ...`` and every rank gets the same
-count (the remainder is dropped), so no window is seen twice and steps stay in lock-step.
+count (the remainder is dropped), so no window is seen twice and steps stay in lock-step. The
+position is global (``tierio.data.position``): a state saved on one world size resumes on another.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from tierio.errors import ConfigError
 from tierio.data.indexed import IndexedDataset
+from tierio.data.position import EpochSplit, Positioned
 from tierio.data.ring import BatchRing, RingRef
 
 
-class TokenWindowDataset:
+class TokenWindowDataset(Positioned):
     """``ds[i] -> (input, target)`` numpy views of ``seq_len`` tokens each."""
 
     def __init__(
@@ -29,25 +32,22 @@ class TokenWindowDataset:
     ) -> None:
         if seq_len < 1:
             raise ConfigError(f"seq_len must be >= 1, got {seq_len}")
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ConfigError(f"rank {rank} is not in a world of {world_size}")
         self.dataset = dataset if isinstance(dataset, IndexedDataset) else IndexedDataset(dataset)
         self.seq_len = seq_len
         self.rank = rank
         self.world_size = world_size
         total_windows = max(0, (self.dataset.num_tokens - 1) // seq_len)
-        self.num_windows = total_windows // world_size  # per rank, equal on every rank
+        self.split = EpochSplit(total_windows, rank, world_size, "strided")
         self._tokens = self._plain(self.dataset.flat_tokens())
         self._ring: BatchRing | None = None
 
-    def __len__(self) -> int:
-        return self.num_windows
+    @property
+    def num_windows(self) -> int:
+        """Windows of this rank (equal on every rank)."""
+        return self.split.share
 
-    def global_index(self, i: int) -> int:
-        """Window number in the whole dataset of this rank's ``i``-th window."""
-        if not 0 <= i < self.num_windows:
-            raise IndexError(f"window {i} out of range for {self.num_windows} windows on rank {self.rank}")
-        return i * self.world_size + self.rank
+    def position_identity(self) -> dict[str, Any]:
+        return {"kind": "windows", "dataset": self.dataset.fingerprint(), "seq_len": self.seq_len}
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         start = self.global_index(i) * self.seq_len
@@ -57,41 +57,46 @@ class TokenWindowDataset:
     def __getitems__(self, indices: list[int]) -> dict[str, Any]:
         """A whole batch in one gather (the DataLoader calls this when it exists)."""
         idx = np.asarray(indices, dtype=np.int64)
-        if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= self.num_windows):
-            raise IndexError(f"window index out of range for {self.num_windows} windows on rank {self.rank}")
-        starts = (idx * self.world_size + self.rank) * self.seq_len
-        ring = self._ring
-        if ring is not None and len(idx) <= ring.data.shape[1]:
-            from torch.utils.data import get_worker_info
+        starts = self.split.positions_of(idx) * self.seq_len
+        return window_output(self._ring, len(idx), self.seq_len, lambda rows: self._fill(rows, starts))
 
-            info = get_worker_info()
-            slot = ring.acquire(info.id) if info is not None else None
-            if slot is not None:  # write straight into pre-faulted shared memory, send the slot number
-                self._fill(ring.data[slot].numpy(), starts)
-                return RingRef(slot, len(idx))
-        t = batch_tensor((len(idx), self.seq_len + 1))
-        self._fill(t.numpy(), starts)
-        return window_batch(t)
+    def copy_windows(self, out: np.ndarray, rows: np.ndarray, samples: np.ndarray) -> None:
+        """Copy this rank's windows ``samples`` into ``out[rows]`` (rows of ``seq_len + 1`` tokens)."""
+        starts = self.split.positions_of(samples) * self.seq_len
+        view = self._run(starts)
+        if view is not None:
+            out[rows] = view
+            return
+        for r, s in zip(rows.tolist(), starts.tolist()):
+            out[r] = self._tokens[s : s + self.seq_len + 1]
+
+    def _run(self, starts: np.ndarray) -> np.ndarray | None:
+        """Evenly spaced windows (sequential batches) as one strided view of the tokens, else None."""
+        n = len(starts)
+        if n < 2 or not isinstance(self._tokens, np.ndarray):  # not a .bin read by ranges (data.remote_pair)
+            return None
+        step = int(starts[1] - starts[0])
+        if step <= 0 or not bool(np.all(np.diff(starts) == step)):
+            return None
+        tokens = self._tokens
+        itemsize = tokens.itemsize
+        if int(starts[-1]) + self.seq_len + 1 > len(tokens):
+            raise IndexError(f"window at token {int(starts[-1])} runs past the {len(tokens)} tokens")
+        # the ndarray constructor: a few times cheaper per call than as_strided, which counts here
+        return np.ndarray((n, self.seq_len + 1), tokens.dtype, tokens, int(starts[0]) * itemsize,
+                          (step * itemsize, itemsize))
 
     def _fill(self, rows: np.ndarray, starts: np.ndarray) -> None:
+        view = self._run(starts)
+        if view is not None:  # one converting copy
+            rows[: len(starts)] = view
+            return
         L = self.seq_len + 1
-        tokens = self._tokens
-        n = len(starts)
-        if n > 1 and isinstance(tokens, np.ndarray):  # not a .bin read by ranges (data.remote_pair)
-            step = int(starts[1] - starts[0])
-            if step > 0 and bool(np.all(np.diff(starts) == step)):
-                # evenly spaced windows (sequential batches): one strided view, one converting copy
-                itemsize = tokens.itemsize
-                view = np.lib.stride_tricks.as_strided(
-                    tokens[int(starts[0]) :], shape=(n, L), strides=(step * itemsize, itemsize), writeable=False
-                )
-                rows[:n] = view
-                return
-        if not isinstance(tokens, np.ndarray):  # a .bin read by ranges: the rows' requests overlap
-            tokens.rows(starts.tolist(), L, rows)
+        if not isinstance(self._tokens, np.ndarray):  # a .bin read by ranges: the rows' requests overlap
+            self._tokens.rows(starts.tolist(), L, rows)
             return
         for r, s in enumerate(starts.tolist()):  # contiguous row copies
-            rows[r] = tokens[s : s + L]
+            rows[r] = self._tokens[s : s + L]
 
     def use_ring(self, ring: BatchRing | None) -> None:
         """Let DataLoader workers fill batches into ``ring`` (set before the workers start)."""
@@ -110,6 +115,22 @@ class TokenWindowDataset:
     def _plain(tokens: np.ndarray) -> np.ndarray:
         # a plain ndarray view of the mapping: slicing np.memmap builds a subclass object each time
         return tokens.view(np.ndarray) if isinstance(tokens, np.ndarray) else tokens
+
+
+def window_output(ring: BatchRing | None, n: int, seq_len: int, fill: Callable[[np.ndarray], None]) -> Any:
+    """A batch of ``n`` windows written by ``fill(rows)``: inside a DataLoader worker, straight into a
+    free slot of pre-faulted shared memory (only the slot number travels); else into a new tensor."""
+    if ring is not None and n <= ring.data.shape[1]:
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        slot = ring.acquire(info.id) if info is not None else None
+        if slot is not None:
+            fill(ring.data[slot].numpy())
+            return RingRef(slot, n)
+    t = batch_tensor((n, seq_len + 1))
+    fill(t.numpy())
+    return window_batch(t)
 
 
 def window_batch(t) -> dict[str, Any]:

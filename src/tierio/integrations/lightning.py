@@ -43,6 +43,7 @@ from tierio.ckpt.preempt import PreemptOptions, Preemption
 from tierio.ckpt.replicated import spread
 from tierio.ckpt.restore.plan import PER_RANK
 from tierio.diag.timers import StepClock
+from tierio.data.position import STATE_FORMAT as POSITION_FORMAT
 from tierio.dist import rank_world
 from tierio.errors import ConfigError, StorageError
 from tierio.integrations import sharded
@@ -376,13 +377,21 @@ def _check_no_loader_state(checkpoint: dict[str, Any], where: str, saved: int, w
     """On another world size, a stateful train dataloader's saved positions have no faithful place."""
     loops = checkpoint.get("loops")
     held = [name for name, loop in (loops.items() if isinstance(loops, dict) else ())
-            if isinstance(loop, dict) and isinstance(loop.get("state_dict"), dict) and loop["state_dict"].get("combined_loader")]
+            if isinstance(loop, dict) and isinstance(loop.get("state_dict"), dict)
+            and not _global_positions(loop["state_dict"].get("combined_loader"))]
     if held:
         raise ConfigError(
             f"{where} holds the data position of a stateful train dataloader ({', '.join(held)}) for each of {saved} "
             f"rank(s), which has no faithful place on {world}: resume on {saved} process(es), or pass per_rank='own' "
             "(TierioDDPStrategy, TierioModelParallelStrategy or TierioCheckpointIO) to give each rank the position of "
             "the saved rank with its number (rank 0's beyond them), knowing that some data is then seen twice or not at all")
+
+
+def _global_positions(states: Any) -> bool:
+    """No loader state, or only tierio global positions (the same on every rank: any world size resumes them)."""
+    if not states:
+        return True
+    return isinstance(states, list) and all(isinstance(s, dict) and s.get("format") == POSITION_FORMAT for s in states)
 
 
 def _pointers_in(directory: Path) -> Iterable[Path]:
