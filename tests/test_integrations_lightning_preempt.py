@@ -58,6 +58,10 @@ def test_sigterm_saves_once_at_an_agreed_step_and_resumes_bit_exact_at_the_same_
     listed = _all_verify(tiers[0])
     assert all(c.reason is None for c in listed), listed  # the emergency step was never committed
     durable = (tmp_path / "ck" / "last.ckpt").exists()
+    # A top-k file of the first run that last.ckpt did not reach yet (the signal came between the two
+    # saves of one step, as it may on a busy machine) is unknown to the state that resumes; Lightning
+    # then names its new save of that step "-v1" and never removes the old file, with or without tierio.
+    orphans = {p.name for p in (tmp_path / "ck").glob("epoch=*.ckpt")}
     if durable:  # the periodic save completed: it is what restores
         assert Pointer.read(tmp_path / "ck" / "last.ckpt").step in {c.step for c in listed}
 
@@ -86,7 +90,10 @@ def test_sigterm_saves_once_at_an_agreed_step_and_resumes_bit_exact_at_the_same_
         assert all(ids == loader.ids(e, i) for e, i, ids in after)
     assert (tmp_path / "final.safetensors").exists()  # training finished
     # top-2 by step and last, as Lightning keeps them: no pointer of a save removed before it was durable
-    assert {p.name for p in (tmp_path / "ck").glob("*.ckpt")} == {"last.ckpt", "epoch=3-step=27.ckpt", "epoch=3-step=30.ckpt"}
+    kept = {p.name for p in (tmp_path / "ck").glob("*.ckpt")}
+    assert kept - orphans == {"last.ckpt", "epoch=3-step=27.ckpt", "epoch=3-step=30.ckpt"}
+    steps = {c.step for c in _all_verify(tiers[0])}
+    assert all(Pointer.read(tmp_path / "ck" / name).step in steps for name in kept)  # none dangles
 
     # Each rank's loader position has no faithful place on one process: refused, naming the option.
     with pytest.raises(ConfigError, match=r"data position .* for each of 2 rank\(s\).* per_rank='own'"):
