@@ -5,6 +5,7 @@ Benchmarks install nothing: a missing tool is a clear ToolMissing error naming t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -210,3 +211,19 @@ def timed_torch_save(obj: Any, directory: str | Path) -> float:
         return time.perf_counter() - t0
     finally:
         path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def environ(values: Mapping[str, str]) -> Iterator[None]:
+    """``values`` in the environment for the block (a local S3 server's credentials), then the
+    variables as they were."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -46,7 +46,6 @@ first_epoch_disk_read_ratio, workers2_vs_workers0), without the peers.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import tempfile
@@ -215,9 +214,7 @@ def bench_stream(work: Path, nbytes: int, seq_len: int, shard_size: int, repeat:
     man = w.manifest
     assert man is not None
     with SeaweedServer(data_dir=work / "seaweed", volume_size_mb=max(256, shard_size * 4 >> 20)) as server:
-        saved = {k: os.environ.get(k) for k in server.env()}
-        os.environ.update(server.env())
-        try:
+        with common.environ(server.env()):
             bucket = f"bench-{uuid.uuid4().hex[:8]}"
             S3Store(bucket, endpoint=server.endpoint).create_bucket()
             url = server.url(f"{bucket}/packed")
@@ -240,12 +237,6 @@ def bench_stream(work: Path, nbytes: int, seq_len: int, shard_size: int, repeat:
                 cached_runs.append(cached)
                 local_runs.append(local)
                 shutil.rmtree(cache_dir, ignore_errors=True)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
     return {"bytes": man.total_bytes, "shards": len(man.shards), "samples": man.num_samples, "tokens": tokens,
             "upload_s": upload_s,
             "local_tokens_per_s": statistics.median(local_runs),

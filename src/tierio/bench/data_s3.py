@@ -19,7 +19,6 @@ Rounds are interleaved (``common.alternate``); each figure is the median over th
 
 from __future__ import annotations
 
-import os
 import shutil
 import statistics
 import time
@@ -55,9 +54,7 @@ def bench_s3_indexed(work: Path, prefix: Path, seq_len: int, batch: int, rounds:
 
     nbytes = prefix.with_suffix(".bin").stat().st_size
     with SeaweedServer(data_dir=work / "seaweed-indexed", volume_size_mb=max(256, nbytes * 2 >> 20)) as server:
-        saved = {k: os.environ.get(k) for k in server.env()}
-        os.environ.update(server.env())
-        try:
+        with common.environ(server.env()):
             bucket = f"bench-{uuid.uuid4().hex[:8]}"
             S3Store(bucket, endpoint=server.endpoint).create_bucket()
             store_url = server.url(bucket)
@@ -90,12 +87,6 @@ def bench_s3_indexed(work: Path, prefix: Path, seq_len: int, batch: int, rounds:
             runs = common.alternate({"local": lambda: _epoch(local, seq_len, batch, 2), "s3_cache": cached,
                                      "s3_ranges": ranges}, rounds)
             local.close()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
     med = {k: statistics.median(v) for k, v in runs.items()}
     return {"bin_bytes": nbytes, "seq_len": seq_len, "batch": batch,
             "local_samples_per_s": med["local"], "s3_cached_samples_per_s": med["s3_cache"],
