@@ -446,8 +446,17 @@ def main() -> None:
         faulthandler.dump_traceback_later(240, exit=True)
     if a.job.endswith("-fsdp"):  # these write their own dumps
         if a.job == "hf-fsdp":
-            return hf_fsdp_job(root, tiers, a.resume)
-        return lightning_fsdp_job(root, tiers, a.length, a.resume)
+            hf_fsdp_job(root, tiers, a.resume)
+        else:
+            lightning_fsdp_job(root, tiers, a.length, a.resume)
+        # As a job ends: a gloo group left to the interpreter's exit sometimes aborted a rank there
+        # ("terminate called without an active exception", exit -6) after all its work was done.
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        return None
     if a.job == "lightning":
         weights = lightning_job(root, tiers, a.length, kill_at=a.kill_at, resume="last" if a.resume else None,
                                 preempt_at=a.preempt_at, term_twice=a.term_twice, stateful=a.stateful, per_rank=a.per_rank,
