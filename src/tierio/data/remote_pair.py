@@ -25,6 +25,7 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 
 from tierio.errors import ConfigError, FormatError, NotFoundError
+from tierio.options import Options
 from tierio.io.engine import run_windows
 from tierio.storage.base import ObjectInfo, Store
 from tierio.storage.cache import CacheOptions, FillPlan, NodeCache, Pin
@@ -55,11 +56,11 @@ def split_prefix(url: str) -> tuple[str, str]:
 
 
 @dataclass(frozen=True)
-class RemoteOptions:
+class RemoteOptions(Options):
     """Where a remote pair is cached and how its ``.bin`` is read (see the module docstring)."""
 
     cache_dir: str | Path | None = None  # default: $TIERIO_DATA_CACHE or ~/.cache/tierio/data
-    cache_limit_bytes: int | str = "64GiB"
+    cache_limit_bytes: int | str = "64GiB"  # sizes: int or text such as "64GiB" (Options parses them)
     bin_reads: BinReads = "auto"
     chunk_bytes: int | str = "16MiB"
 
