@@ -105,7 +105,9 @@ def preempt(root: Path, tiers: list[str]) -> None:
     assert codes and set(codes) == {"143"}, out[-3000:]
 
     emergency = max(int(p.name.split("-")[1]) for p in (root / "out").glob("checkpoint-*"))
-    assert at_step <= emergency < 12, (at_step, emergency)
+    # The test reads the job's lines through a pipe; on a busy machine it may see "step 9" only as the
+    # job takes its last step (12), where the signal then lands: still one emergency save, published.
+    assert at_step <= emergency <= 12, (at_step, emergency)
     listed = {c.step: c.reason for c in list_checkpoints(tiers[0])}
     assert listed[Pointer.read(root / "out" / f"checkpoint-{emergency}" / "tierio.json").step] == "emergency: SIGTERM"
     assert all(verify(tiers[0], step).ok for step in listed)  # a save in flight at the signal: whole or absent
