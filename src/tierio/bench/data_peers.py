@@ -137,7 +137,8 @@ def _epoch(batches: Iterable[Any], rows: Callable[[Any], int]) -> float:
 
 def _epochs(loader: Any, rows: Callable[[Any], int], server: ServerRef | None, measure_disk: bool) -> tuple[float, float, int | None]:
     """(first, second epoch samples/s, bytes read from the disk during the first)."""
-    pids = [os.getpid(), *_tree(server.pid)] if measure_disk and server is not None else []
+    measure_disk = measure_disk and server is not None  # no server: nothing of its reads to count
+    pids = [os.getpid(), *_tree(server.pid)] if measure_disk else []
     if measure_disk:
         common.drop_caches([server.data_dir])
     before = _read_bytes(pids)
