@@ -7,6 +7,8 @@ stalls most) is timed over and over:
   tierio        while a CheckpointManager save persists to tier 0 and promotes to tier 1 behind it
                 (its persist, checksum and promotion threads run in this process)
   tierio_one    the same with one tier: the same work as DCP's (write once), no promotion copy
+  tierio_level  the two-tier save with ``background_nice=0``: its threads at the step's priority
+                (what the background niceness, io.background, buys where cores are contended)
   dcp_thread    while ``dcp.async_save`` writes with its thread-based checkpointer
   dcp_process   while ``dcp.async_save`` writes with ``AsyncCheckpointerType.PROCESS`` (a process
                 of its own: the reference for "off the training interpreter")
@@ -22,6 +24,8 @@ interleaved across the scenarios (``common.alternate``); each ratio is the media
   step_during_dcp_thread_vs_idle  idle median ÷ median while DCP's thread-based async save writes
   step_one_tier_vs_dcp_process    tierio with one tier ÷ DCP's process: the same bytes written once,
                                   so what is left of the gap is the threads, not the promotion's copy
+  step_level_priority_vs_dcp_process
+                                  tierio with its threads at the step's priority ÷ DCP's process
 
 tierio's manager lives for the whole run, as in a training job (one warm-up save first: its
 staging and promotion buffers are allocated once and reused); DCP's saves are its steady state too.
@@ -141,19 +145,23 @@ def measure(nbytes: int, work: Path, rounds: int, log: Callable[[str], None]) ->
         background = _background_python(traced, state, step, profiles)
     # the timed ones run unprofiled
     one_tier = [Tier(work / "one", KeepLast(1))]
-    with CheckpointManager(tiers, min_keep=1) as mgr, CheckpointManager(one_tier, min_keep=1) as one:
-        for manager in (mgr, one):
+    level_tiers = [Tier(work / "level0", KeepLast(1)), Tier(work / "level1", KeepLast(1))]
+    with CheckpointManager(tiers, min_keep=1) as mgr, CheckpointManager(one_tier, min_keep=1) as one, \
+            CheckpointManager(level_tiers, min_keep=1, background_nice=0) as level:
+        for manager in (mgr, one, level):
             step[0] += 1
             manager.save(step[0], state).wait()  # allocates its buffers, as a job's first save does
-        log(f"Python-heavy steps: idle, and while tierio (two tiers, one tier) / DCP (thread, process) save "
+        log(f"Python-heavy steps: idle, and while tierio (two tiers, one tier, two at the step's priority) / DCP (thread, process) save "
             f"{nbytes >> 20} MiB; {rounds} rounds")
         got = common.alternate({"tierio": judged(tierio_on(mgr)), "tierio_one": judged(tierio_on(one)),
+                                "tierio_level": judged(tierio_on(level)),
                                 "dcp_thread": judged(dcp_run(AsyncCheckpointerType.THREAD)),
                                 "dcp_process": judged(dcp_run(AsyncCheckpointerType.PROCESS))}, rounds)
     med = {k: statistics.median(v) for k, v in got.items()}  # idle ÷ busy, per scenario
     ratios = {"step_during_persist_vs_idle": med["tierio"],
               "step_slowdown_vs_dcp_process": med["tierio"] / med["dcp_process"],
               "step_one_tier_vs_dcp_process": med["tierio_one"] / med["dcp_process"],
+              "step_level_priority_vs_dcp_process": med["tierio_level"] / med["dcp_process"],
               "step_during_dcp_thread_vs_idle": med["dcp_thread"]}
     return {"state_bytes": nbytes, "idle_vs_busy": med, "rounds": got, "cpus": os.cpu_count(),
             "background_python": background,

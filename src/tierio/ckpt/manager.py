@@ -101,11 +101,11 @@ class CheckpointManager:
         self._last_restore: dict | None = None  # how the last restore moved its bytes (stats())
         self._closed = False
         self._book = StepBook()
-        self._promoter = Promoter(self._tiers, self._cluster, self._book, opts.min_keep)
+        self._promoter = Promoter(self._tiers, self._cluster, self._book, opts.min_keep, opts.background_nice)
         self._persister = Persister(self._tiers, self._cluster, self._book, memory_budget=opts.memory_budget_bytes,
                                     slots=2 if opts.double_buffer else 1, overlap=opts.overlap,
                                     incremental=opts.incremental, buddy=self._buddy, persisted=self._promoter.persisted,
-                                    numa_node=opts.numa_node)
+                                    numa_node=opts.numa_node, nice=opts.background_nice)
 
     def _setup_buddy(self, promote_rate: float | None) -> Buddy:
         """Buddy copies (``promotion.buddy``): the pairing and the buddy group, made here, in the caller's thread."""
@@ -119,7 +119,7 @@ class CheckpointManager:
         rate = _rate(opts.buddy_bandwidth)
         rate = promote_rate if rate is None else rate
         return Buddy.setup(t0.store, self.rank, self.world_size, self._group, self.node, rate or None,
-                           opts.commit_timeout, t0.tier.retention)
+                           opts.commit_timeout, t0.tier.retention, opts.background_nice)
 
     @property
     def tiers(self) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from tierio.io.background import DEFAULT_NICE
 from tierio.options import Options
 
 from tierio.ckpt.steps.commit import INLINE_RECORD_BYTES
@@ -38,7 +39,10 @@ class CheckpointOptions(Options):
     ``incremental``: a save writes only the tensors that changed since the last step this manager
     committed, the manifest refers to the earlier shards for the others (``ckpt.saving.incremental``);
     ``numa_node``: place the staging buffers on this NUMA node (``"auto"``: the current GPU's), by
-    allocating and first-touching them from its CPUs (``io.numa``); ``stats()["staging_numa"]`` says where."""
+    allocating and first-touching them from its CPUs (``io.numa``); ``stats()["staging_numa"]`` says where;
+    ``background_nice``: the niceness added to the threads that persist, checksum, promote and send
+    buddy copies behind training, so a contended core goes to the training step first (0: the same
+    priority as training; ``io.background``)."""
 
     memory_budget_bytes: int | str | None = None
     double_buffer: bool = False
@@ -57,6 +61,7 @@ class CheckpointOptions(Options):
     buddy_bandwidth: float | str | None = None
     incremental: bool = False
     numa_node: int | str | None = None
+    background_nice: int = DEFAULT_NICE
 
     LABEL: ClassVar[str] = "CheckpointManager"
     ALIASES: ClassVar[dict[str, str]] = {"memory_budget": "memory_budget_bytes",

@@ -140,8 +140,12 @@ def iter_text_docs(
 
 
 def _encode(tok, texts: list[str], append_eos: int | None) -> Iterator[np.ndarray]:
-    for enc in tok.encode_batch(texts):
-        ids = enc.ids if append_eos is None else [*enc.ids, append_eos]
+    # Only the ids are kept: tokenizers >= 0.20 can skip computing each token's character offsets.
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    for enc in encode(texts):
+        ids = enc.ids  # a fresh list per call
+        if append_eos is not None:
+            ids.append(append_eos)
         yield np.asarray(ids, dtype=np.int64)
 
 

@@ -9,7 +9,8 @@ belong. File reads and copies (io.ranges), checkpoint restores (storage.scatter)
 holds the shape once.
 
 Requests run on one process-wide thread pool (the threads block in the kernel with the GIL
-released, so a few dozen saturate a disk). Bodies may use the engine themselves: a restore's
+released, so a few dozen saturate a disk); requests from background threads run on a second pool of
+background threads (io.background). Bodies may use the engine themselves: a restore's
 scatter window reads through LocalStore.read_into, which cuts the window again. Bounded pools and
 nested waits deadlock when every pool thread waits for a request still queued behind it, so a
 waiting thread never waits for a request that has not started: it takes that request back
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
 
+from tierio.io import background
 from tierio.io.buffers import ALIGN, align_down
 
 T = TypeVar("T")
@@ -40,30 +42,25 @@ R = TypeVar("R")
 
 POOL_THREADS = 32  # enough to keep several NVMe queues and a few nested users busy at once
 
-_executor: ThreadPoolExecutor | None = None
-_executor_lock = threading.Lock()
+_pools = background.Pools("tierio-io", POOL_THREADS)
 
 
 def _reset_after_fork() -> None:
-    """A forked child (a DataLoader worker) inherits the thread pool object but none of its threads,
+    """A forked child (a DataLoader worker) inherits the thread pool objects but none of their threads,
     and possibly a lock held by a parent thread: start afresh so its first I/O does not hang.
     (Buffer pools are reset the same way in io.buffers.)"""
-    global _executor, _executor_lock
-    _executor = None
-    _executor_lock = threading.Lock()
+    global _pools
+    _pools = background.Pools("tierio-io", POOL_THREADS)
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-def executor() -> ThreadPoolExecutor:
-    """The shared pool for I/O requests (made on first use, per process)."""
-    global _executor
-    with _executor_lock:
-        if _executor is None:
-            _executor = ThreadPoolExecutor(max_workers=POOL_THREADS, thread_name_prefix="tierio-io")
-        return _executor
+def executor(nice: int | None = None) -> ThreadPoolExecutor:
+    """The shared pool for I/O requests at ``nice`` (default: the calling thread's, so a background
+    thread's requests run in the background too; made on first use, per process)."""
+    return _pools.here(nice)
 
 
 # -- requests ----------------------------------------------------------------------------------
@@ -91,7 +88,7 @@ class Request(Generic[R]):
 
 
 def submit(call: Callable[[], R]) -> Request[R]:
-    """Start ``call`` on the shared pool."""
+    """Start ``call`` on the shared pool (the background one when called from a background thread)."""
     return Request(call, executor().submit(call))
 
 

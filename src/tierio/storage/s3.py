@@ -39,6 +39,7 @@ from tierio.errors import (
     StorageError,
     os_error,
 )
+from tierio.io import background
 from tierio.io.buffers import ALIGN, HostBuffer, align_up
 from tierio.io.durable import fsync_dir, temp_name
 from tierio.io.direct import open_file
@@ -106,7 +107,8 @@ class S3Store(MultipartUploads):
                 response_checksum_validation="when_required",
             ),
         )
-        self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="tierio-s3")
+        # per caller's priority (io.background): a promotion's uploads stay behind training
+        self._pools = background.Pools("tierio-s3", self.concurrency)
         self._local = threading.local()
         where = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self.url = where + (f"?endpoint={self.endpoint}" if self.endpoint else "")
@@ -458,8 +460,12 @@ class S3Store(MultipartUploads):
     def capacity(self) -> tuple[int, int] | None:
         return None  # an object store has no size to fill
 
+    @property
+    def _pool(self) -> ThreadPoolExecutor:
+        return self._pools.here()
+
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._pools.shutdown(wait=True)
 
     def read_small(self, key: str, limit: int) -> bytes:
         """The whole of a small object in one ranged GET (no HEAD before it that a replacement could

@@ -32,7 +32,7 @@ import os
 import re
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -42,6 +42,8 @@ import torch
 from tierio.errors import ConfigError, FormatError, IntegrityError, TierioError
 from tierio.format.manifest import MAX_MANIFEST_BYTES, RankEntry
 from tierio.format.shard import parse_record_name, parse_step_dir, shard_name, step_dir, step_key
+from tierio.io import background
+from tierio.io.background import DEFAULT_NICE
 from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Store, read_bytes
 from tierio.units import fmt_bytes
@@ -228,18 +230,18 @@ class Buddy:
     node copies can restore and fetching this rank's part from its holder."""
 
     def __init__(self, store: Store, rank: int, world_size: int, link: Link | None,
-                 retention: Retention | None) -> None:
+                 retention: Retention | None, nice: int = DEFAULT_NICE) -> None:
         self.store = store  # this node's tier 0
         self.rank = rank
         self.world_size = world_size
         self.link = link
         self.retention = retention
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tierio-ckpt-buddy") if link is not None else None
+        self._pool = background.pool("tierio-ckpt-buddy", nice) if link is not None else None
         self._retired: set[int] = set()
 
     @staticmethod
     def setup(store: Store, rank: int, world_size: int, group: Any, node: str, bandwidth: float | None,
-              timeout: float, retention: Retention | None) -> Buddy:
+              timeout: float, retention: Retention | None, nice: int = DEFAULT_NICE) -> Buddy:
         """Pair the nodes and make the buddy group: in the caller's thread, on every rank (one
         all_gather_object over ``group``, then ``new_group`` when there is more than one node)."""
         import torch.distributed as dist
@@ -264,7 +266,7 @@ class Buddy:
         limiter = TokenBucket(bandwidth, burst=max(1 << 20, bandwidth / 4)) if bandwidth else None
         log.info("buddy copies: rank %d sends to rank %d and keeps rank %d's (node %s) under %s/%s/",
                  rank, pairing.partner, pairing.source, pairing.source_node, store.url, BUDDY_DIR)
-        return Buddy(store, rank, world_size, Link(buddy_group, pairing, limiter), retention)
+        return Buddy(store, rank, world_size, Link(buddy_group, pairing, limiter), retention, nice)
 
     @property
     def active(self) -> bool:

@@ -14,11 +14,13 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from tierio import events
 from tierio.errors import ConfigError, FormatError, IntegrityError, LeaseError, StorageError, TierioError
+from tierio.io import background
+from tierio.io.background import DEFAULT_NICE
 
 from tierio.ckpt.promotion.cluster import Cluster, Own, promote_step, publish
 from tierio.ckpt.saving.job import SaveHandle
@@ -35,9 +37,10 @@ log = logging.getLogger("tierio.ckpt")
 class Promoter:
     """Runs publication, promotion and retention on one thread (see the module docstring)."""
 
-    def __init__(self, tiers: list[TierState], cluster: Cluster, book: StepBook, min_keep: int) -> None:
+    def __init__(self, tiers: list[TierState], cluster: Cluster, book: StepBook, min_keep: int,
+                 nice: int = DEFAULT_NICE) -> None:
         self.tiers, self.cluster, self.book, self.min_keep = tiers, cluster, book, min_keep
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tierio-ckpt-promote")
+        self._pool = background.pool("tierio-ckpt-promote", nice)
         self._gc_lock = threading.Lock()
         self._swept: set[str] = set()  # tiers whose leftovers this manager has cleaned up once
         self._warned_min_keep = False

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -27,6 +26,8 @@ from tierio import events
 from tierio.errors import ConfigError, FormatError, StorageError
 from tierio.format.manifest import RankEntry, TensorInfo
 from tierio.format.shard import Placement, ShardBytes, describe, manifest_key, plan_shard, shard_key, shard_name, step_dir
+from tierio.io import background
+from tierio.io.background import DEFAULT_NICE
 from tierio.io.buffers import BufferPool, align_up
 from tierio.io.numa import placement
 from tierio.units import human_bytes
@@ -51,7 +52,8 @@ class Persister:
 
     def __init__(self, tiers: list[TierState], cluster: Cluster, book: StepBook, *, memory_budget: int | None,
                  slots: int, overlap: bool, incremental: bool, buddy: Buddy | None,
-                 persisted: Callable[[int, SaveHandle], None], numa_node: int | str | None = None) -> None:
+                 persisted: Callable[[int, SaveHandle], None], numa_node: int | str | None = None,
+                 nice: int = DEFAULT_NICE) -> None:
         self.tiers, self.cluster, self.book, self.buddy = tiers, cluster, book, buddy
         self.memory_budget, self.incremental, self.persisted = memory_budget, incremental, persisted
         # Staging buffers: at most `slots` exist, within the memory budget, reused by every save.
@@ -59,8 +61,9 @@ class Persister:
         self.staging = BufferPool(budget_bytes=memory_budget, max_buffers=slots, numa_node=self.numa.node)
         self.stager = Stager()
         self.overlap = Overlap(self.stager) if overlap else None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tierio-ckpt-persist")
-        self._checksums = ThreadPoolExecutor(1, thread_name_prefix="tierio-ckpt-checksum")
+        # Behind training, at a lower priority (io.background): a contended core goes to the step.
+        self._pool = background.pool("tierio-ckpt-persist", nice)
+        self._checksums = background.pool("tierio-ckpt-checksum", nice)
 
     @property
     def rank(self) -> int:

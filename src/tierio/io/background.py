@@ -1,0 +1,84 @@
+"""Background threads: they give a contended core to the training step first.
+
+A checkpoint persists, checksums and promotes on threads of the training process. Their byte loops
+run with the GIL released, but they still use CPU (copies into the page cache, hashing, HTTP), and
+where every core is busy (a CPU-bound input pipeline, a small VM) they compete with the step's own
+thread for the cores. Linux applies niceness per thread, so those threads run at a higher niceness:
+the scheduler hands a contended core to the step first (CFS weighs nice 10 at 110 against 1024 for
+nice 0) and an idle core to them as before. Where cores are free nothing changes.
+
+A thread cannot lower its niceness again without CAP_SYS_NICE, so background work runs on threads
+that stay background for their life: pools made with ``pool()`` mark their threads when they start,
+and the I/O requests such a thread submits go to the engine's pool of the same niceness
+(``io.engine.submit``), so the bytes a background save moves are moved in the background too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+log = logging.getLogger("tierio.io")
+
+DEFAULT_NICE = 10  # the niceness added to background threads (CheckpointOptions.background_nice)
+MAX_NICE = 19
+
+_local = threading.local()
+
+
+def mark(nice: int) -> None:
+    """Make the calling thread a background thread ``nice`` levels below the process (a pool
+    initializer). Without the means to renice (not Linux, a sandbox refusing it), the thread still
+    counts as background, so its I/O stays on the same pool, and it runs at the process's niceness."""
+    nice = max(0, min(int(nice), MAX_NICE))
+    _local.nice = nice
+    if nice == 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        # relative to the process (its first thread), not to the thread that started this one
+        os.setpriority(os.PRIO_PROCESS, tid, min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, os.getpid()) + nice))
+    except OSError as e:
+        log.debug("could not lower the priority of background thread %s: %s", threading.current_thread().name, e)
+
+
+def level() -> int:
+    """The niceness the calling thread was marked with (0: not a background thread)."""
+    return getattr(_local, "nice", 0)
+
+
+def pool(name: str, nice: int, workers: int = 1) -> ThreadPoolExecutor:
+    """A pool whose threads are background threads at ``nice`` (0: ordinary threads)."""
+    return ThreadPoolExecutor(workers, thread_name_prefix=name, initializer=mark, initargs=(nice,))
+
+
+class Pools:
+    """A shared pool per niceness, made on first use: work runs on the pool of the calling thread's
+    level. (A pool's threads start from the thread that submits and inherit its niceness, so one
+    pool shared by both kinds of caller would end up with background threads serving training.)"""
+
+    def __init__(self, name: str, workers: int) -> None:
+        self.name, self.workers = name, workers
+        self._pools: dict[int, ThreadPoolExecutor] = {}
+        self._lock = threading.Lock()
+
+    def here(self, nice: int | None = None) -> ThreadPoolExecutor:
+        """The pool for ``nice`` (default: the calling thread's level)."""
+        nice = level() if nice is None else nice
+        with self._lock:
+            got = self._pools.get(nice)
+            if got is None:
+                name = self.name if nice == 0 else f"{self.name}-bg{nice}"
+                got = self._pools[nice] = pool(name, nice, self.workers)
+            return got
+
+    def shutdown(self, wait: bool = True) -> None:
+        with self._lock:
+            pools, self._pools = list(self._pools.values()), {}
+        for p in pools:
+            p.shutdown(wait=wait)
+
+
+__all__ = ["DEFAULT_NICE", "Pools", "level", "mark", "pool"]
