@@ -203,16 +203,15 @@ def _worker_ring(nbytes: int) -> WireRing | None:
 
 
 def collate_rows(batch: list[Row], *, collate_fn_map: Any = None) -> WireTensor | WireSlot:
-    rows = [r.view(np.ndarray) for r in batch]
-    first = rows[0]
-    shape = (len(rows), *first.shape)
+    first = batch[0]
+    shape = (len(batch), *first.shape)
     nbytes = math.prod(shape) * first.dtype.itemsize
     ring = _worker_ring(nbytes)
     slot = ring.acquire() if ring is not None else None
     if slot is None:
-        return WireTensor(np.stack(rows))
+        return WireTensor(np.stack(batch).view(np.ndarray))
     try:
-        np.stack(rows, out=ring.view(slot, first.dtype, shape))  # type: ignore[union-attr]
+        np.stack(batch, out=ring.view(slot, first.dtype, shape))  # type: ignore[union-attr]
     except BaseException:
         ring.flags[slot] = FREE  # type: ignore[union-attr]
         raise
