@@ -328,6 +328,24 @@ def test_plain_dataloader_workers_hand_out_exactly_the_batches_of_no_workers(tmp
     assert {p.name for p in wire.SHM_DIR.glob("tierio-wire-*")} <= before
 
 
+def test_plain_dataloader_batches_too_large_for_a_ring_come_as_bytes(local_url, tmp_path, monkeypatch):
+    """Batches a worker's ring could hold only a few of travel through the pipe, unchanged."""
+    from torch.utils.data import DataLoader
+
+    from tierio.data import wire
+
+    monkeypatch.setattr(wire, "WIRE_RING_BYTES", wire.WIRE_SLOT_MIN_BYTES * (wire.WIRE_MIN_SLOTS - 1))
+    ds = StreamingDataset(local_url, tmp_path / "cache", batch_size=8, seed=1)
+    alone = list(DataLoader(ds, batch_size=8, num_workers=0))
+    ds.set_epoch(0)
+    before = {p.name for p in wire.SHM_DIR.glob("tierio-wire-*")}
+    loader = iter(DataLoader(ds, batch_size=8, num_workers=2))
+    got = [next(loader)]
+    assert {p.name for p in wire.SHM_DIR.glob("tierio-wire-*")} <= before  # no ring was made
+    got += list(loader)
+    assert len(got) == len(alone) == N // 8 and all(torch.equal(b[k], a[k]) for b, a in zip(got, alone) for k in a)
+
+
 def test_a_plain_dataloader_with_workers_gets_every_sample_once_as_tensors(local_url, tmp_path):
     """In a plain DataLoader's workers the batches travel in a shared-memory slot or as bytes
     (tierio.data.wire), not through a new segment per batch; the loop gets the same tensors as

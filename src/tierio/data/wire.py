@@ -15,8 +15,10 @@ crosses the pipe. The loop maps the segment once per worker and turns each slot 
 over it; the slot is free again when the last view of that tensor is gone. The loop gets the same
 tensor type as without workers, and the batch is copied once, in the worker.
 
-Without a free slot (the loop keeps many batches alive), for a batch larger than a slot, or where
-no shared memory can be made, the batch travels as its bytes through the pipe (:class:`WireTensor`).
+A slot holds a batch of the largest fixed-size field, as many rows as the first batch; a ring has
+up to WIRE_SLOTS slots in WIRE_RING_BYTES. Without a free slot (the loop keeps many batches alive),
+for batches too large for a ring, or where no shared memory can be made, the batch travels as its
+bytes through the pipe (:class:`WireTensor`).
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ from typing import Any
 import numpy as np
 
 SHM_DIR = Path("/dev/shm")
-WIRE_SLOTS = 16  # per worker: prefetched batches (2 by default) of a few fields, the loop's, spares
+WIRE_SLOTS = 16  # per worker at most: prefetched batches (2 by default) of a few fields, the loop's, spares
+WIRE_MIN_SLOTS = 4  # fewer than this would keep a worker waiting for the loop: send bytes instead
 WIRE_SLOT_MIN_BYTES = 256 << 10
-HEADER_BYTES = 64  # one flag byte per slot, then one byte the loop sets once it mapped the segment
+WIRE_RING_BYTES = 64 << 20  # shared memory per worker at most
+HEADER_BYTES = 64  # a flag byte per slot; at WIRE_SLOTS, the byte the loop sets once it mapped the segment
 FREE, FILLED = 0, 1
 
 
@@ -62,11 +66,12 @@ class WireRing:
     The worker removes the file once the loop says it mapped it (or when the worker exits), so
     nothing stays behind in /dev/shm; the memory goes when both mappings are gone."""
 
-    def __init__(self, slot_bytes: int) -> None:
+    def __init__(self, slot_bytes: int, slots: int) -> None:
         from multiprocessing.util import Finalize
 
         self.slot_bytes = -(-slot_bytes // 4096) * 4096
-        self.size_bytes = HEADER_BYTES + WIRE_SLOTS * self.slot_bytes
+        self.slots = slots
+        self.size_bytes = HEADER_BYTES + slots * self.slot_bytes
         self.name = f"tierio-wire-{os.getpid()}-{secrets.token_hex(6)}"
         self.path: Path | None = SHM_DIR / self.name
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -80,7 +85,7 @@ class WireRing:
             os.close(fd)
         self.bytes = np.frombuffer(self.map, dtype=np.uint8)
         self.bytes[HEADER_BYTES:] = 0  # fault every page in now, not while a batch waits
-        self.flags = self.bytes[:WIRE_SLOTS]
+        self.flags = self.bytes[:slots]
         self.next = 0
         self.pid = os.getpid()
         Finalize(self, _unlink, (self.path,), exitpriority=0)
@@ -90,11 +95,11 @@ class WireRing:
         if self.path is not None and self.bytes[WIRE_SLOTS]:  # the loop mapped it: the name can go
             _unlink(self.path)
             self.path = None
-        for k in range(WIRE_SLOTS):
-            slot = (self.next + k) % WIRE_SLOTS
+        for k in range(self.slots):
+            slot = (self.next + k) % self.slots
             if self.flags[slot] == FREE:
                 self.flags[slot] = FILLED
-                self.next = (slot + 1) % WIRE_SLOTS
+                self.next = (slot + 1) % self.slots
                 return slot
         return None
 
@@ -186,19 +191,28 @@ _ring: WireRing | None = None
 _no_ring_pid: int | None = None  # a process where no shared memory could be made: bytes only
 
 
-def _worker_ring(nbytes: int) -> WireRing | None:
-    """This worker's ring (made at its first batch, sized from it), or None to send bytes."""
+_largest_row_bytes = 0  # in a worker: the largest fixed-size field's bytes per sample
+
+
+def _worker_ring(nbytes: int, rows: int) -> WireRing | None:
+    """This worker's ring (made at its first batch: a slot holds that many rows of its largest
+    field), or None to send bytes."""
     global _ring, _no_ring_pid
     pid = os.getpid()
     if _ring is not None and _ring.pid == pid:
         return _ring if nbytes <= _ring.slot_bytes else None
     if _no_ring_pid == pid:
         return None
-    try:
-        _ring = WireRing(max(WIRE_SLOT_MIN_BYTES, 2 * nbytes))
-    except OSError:
+    slot_bytes = max(WIRE_SLOT_MIN_BYTES, nbytes, _largest_row_bytes * rows)
+    slots = min(WIRE_SLOTS, WIRE_RING_BYTES // slot_bytes)
+    _ring = None
+    if slots >= WIRE_MIN_SLOTS:  # else batches too large to hold a few of in WIRE_RING_BYTES
+        try:
+            _ring = WireRing(slot_bytes, slots)
+        except OSError:  # no /dev/shm, or it is full
+            pass
+    if _ring is None:
         _no_ring_pid = pid
-        return None
     return _ring
 
 
@@ -206,7 +220,7 @@ def collate_rows(batch: list[Row], *, collate_fn_map: Any = None) -> WireTensor 
     first = batch[0]
     shape = (len(batch), *first.shape)
     nbytes = math.prod(shape) * first.dtype.itemsize
-    ring = _worker_ring(nbytes)
+    ring = _worker_ring(nbytes, len(batch))
     slot = ring.acquire() if ring is not None else None
     if slot is None:
         return WireTensor(np.stack(batch).view(np.ndarray))
@@ -224,11 +238,16 @@ _registered = False
 def rows_in_worker(batch: dict[str, Any]) -> dict[str, Any]:
     """``batch`` with its fixed-size fields viewed as Row, and Row's collation registered in this
     process (call only in a DataLoader worker)."""
-    global _registered
+    global _registered, _largest_row_bytes
     if not _registered:
         from torch.utils.data._utils.collate import default_collate_fn_map
 
         default_collate_fn_map[Row] = collate_rows
         _registered = True
-    return {k: v.view(Row) if isinstance(v, np.ndarray) and v.ndim > 1 and v.dtype.kind in "biuf" else v
-            for k, v in batch.items()}
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, np.ndarray) and v.ndim > 1 and v.dtype.kind in "biuf":
+            v = v.view(Row)
+            _largest_row_bytes = max(_largest_row_bytes, v[0].nbytes if len(v) else 0)
+        out[k] = v
+    return out
