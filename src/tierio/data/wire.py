@@ -129,6 +129,8 @@ def from_slot(name: str, size_bytes: int, offset: int, slot: int, dtype: str, sh
     """The loop's side: a tensor over the batch in ``slot``; the slot is freed with its last view."""
     import torch
 
+    from tierio.data.ring import torch_dtype
+
     seg = _maps.get(name)
     if seg is None:
         seg = _maps[name] = _map(name, size_bytes)
@@ -139,7 +141,7 @@ def from_slot(name: str, size_bytes: int, offset: int, slot: int, dtype: str, sh
         return torch.from_numpy(np.empty(shape, dt))
     holder = seg[offset : offset + count * dt.itemsize]  # one object per batch, kept alive by every view
     weakref.finalize(holder, _release, seg, slot)
-    return torch.frombuffer(holder, dtype=_torch_dtype(dt), count=count).view(shape)
+    return torch.frombuffer(holder, dtype=torch_dtype(dt), count=count).view(shape)
 
 
 def _map(name: str, size_bytes: int) -> np.ndarray:
@@ -179,12 +181,6 @@ def _unlink(path: Path | None) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
-
-
-def _torch_dtype(dt: np.dtype) -> Any:
-    import torch
-
-    return torch.from_numpy(np.empty(0, dt)).dtype
 
 
 _ring: WireRing | None = None
