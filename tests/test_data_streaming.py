@@ -320,6 +320,8 @@ def test_plain_dataloader_workers_hand_out_exactly_the_batches_of_no_workers(tmp
     loader = DataLoader(ds, batch_size=16, num_workers=2)
     for i, b in enumerate(loader):  # each batch dropped before the next: its slot comes back
         assert all(torch.equal(b[k], alone[i][k]) and b[k].dtype == alone[i][k].dtype for k in b), f"batch {i}"
+        if i == 8:  # both workers' segments are mapped by now: their names are gone, workers or not
+            assert {p.name for p in wire.SHM_DIR.glob("tierio-wire-*")} <= before
     kept = list(loader)  # every batch alive at once: more than the workers' 2 x WIRE_SLOTS
     assert len(kept) == len(alone) > 2 * wire.WIRE_SLOTS
     assert all(torch.equal(b[k], a[k]) for b, a in zip(kept, alone) for k in a)

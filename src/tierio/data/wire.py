@@ -38,7 +38,7 @@ WIRE_SLOTS = 16  # per worker at most: prefetched batches (2 by default) of a fe
 WIRE_MIN_SLOTS = 4  # fewer than this would keep a worker waiting for the loop: send bytes instead
 WIRE_SLOT_MIN_BYTES = 256 << 10
 WIRE_RING_BYTES = 64 << 20  # shared memory per worker at most
-HEADER_BYTES = 64  # a flag byte per slot; at WIRE_SLOTS, the byte the loop sets once it mapped the segment
+HEADER_BYTES = 64  # a flag byte per slot
 FREE, FILLED = 0, 1
 
 
@@ -63,8 +63,9 @@ class WireTensor:
 class WireRing:
     """One worker's slots of shared memory (a file in /dev/shm, mapped by the worker and the loop).
 
-    The worker removes the file once the loop says it mapped it (or when the worker exits), so
-    nothing stays behind in /dev/shm; the memory goes when both mappings are gone."""
+    The loop removes the file as soon as it has mapped it (the worker at its exit if the loop never
+    did), so nothing stays behind in /dev/shm, even when the workers are killed; the memory goes
+    when both mappings are gone."""
 
     def __init__(self, slot_bytes: int, slots: int) -> None:
         from multiprocessing.util import Finalize
@@ -73,13 +74,13 @@ class WireRing:
         self.slots = slots
         self.size_bytes = HEADER_BYTES + slots * self.slot_bytes
         self.name = f"tierio-wire-{os.getpid()}-{secrets.token_hex(6)}"
-        self.path: Path | None = SHM_DIR / self.name
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        path = SHM_DIR / self.name
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, self.size_bytes)
             self.map = mmap.mmap(fd, self.size_bytes)
         except BaseException:
-            os.unlink(self.path)
+            os.unlink(path)
             raise
         finally:
             os.close(fd)
@@ -88,13 +89,10 @@ class WireRing:
         self.flags = self.bytes[:slots]
         self.next = 0
         self.pid = os.getpid()
-        Finalize(self, _unlink, (self.path,), exitpriority=0)
+        Finalize(self, _unlink, (path,), exitpriority=0)
 
     def acquire(self) -> int | None:
         """A free slot, marked FILLED; None when the loop still holds every slot."""
-        if self.path is not None and self.bytes[WIRE_SLOTS]:  # the loop mapped it: the name can go
-            _unlink(self.path)
-            self.path = None
         for k in range(self.slots):
             slot = (self.next + k) % self.slots
             if self.flags[slot] == FREE:
@@ -155,7 +153,7 @@ def _map(name: str, size_bytes: int) -> np.ndarray:
         seg = np.frombuffer(mmap.mmap(fd, size_bytes), dtype=np.uint8)
     finally:
         os.close(fd)
-    seg[WIRE_SLOTS] = 1  # tells the worker it may remove the name
+    _unlink(path)  # mapped once for the worker's life (see _maps): the name is no longer needed
     for other in [n for n in _maps if not _alive(n)]:  # segments of workers that exited
         del _maps[other]  # batches still alive keep their mapping; it goes with them
     return seg
