@@ -112,6 +112,36 @@ def test_windows_blend_through_workers_states_each_source(tmp_path):
     assert int(bigger[bigger.source_index.tolist().index(1, 400)][0][0]) % 100_000 < 50 * SEQ
 
 
+def test_window_batches_equal_the_blend_sample_by_sample(tmp_path):
+    """A batch gathers each source's windows at once (one strided view for a run of consecutive
+    blend positions); every batch layout must give exactly the windows ``blend[i]`` gives."""
+    sources = [TokenWindowDataset(_corpus(tmp_path / f"s{d}", d * 100_000, n * SEQ + 1), SEQ)
+               for d, n in enumerate([300, 50, 120])]
+
+    def rows(ds, idx):
+        return np.stack([np.concatenate([x, y[-1:]]) for x, y in (ds[i] for i in idx)]).astype(np.int64)
+
+    def check(ds, idx):
+        got = ds.__getitems__(list(idx))
+        want = rows(ds, idx)
+        assert np.array_equal(got["input_ids"].numpy(), want[:, :-1]) and np.array_equal(got["labels"].numpy(), want[:, 1:])
+
+    blend = BlendedDataset(sources, [0.5, 0.2, 0.3])
+    for a in range(0, len(blend) - 40, 37):
+        check(blend, range(a, a + 40))  # runs: one view per source
+    check(blend, np.random.default_rng(0).permutation(len(blend))[:64].tolist())  # shuffled: no runs
+    check(blend, [5, 3, 4, 6])  # consecutive positions out of order
+    check(blend, [7])
+    upsampled = BlendedDataset(sources, [0.5, 0.2, 0.3], samples=1000)
+    for a in (0, 230, 240, 600, 936):
+        check(upsampled, range(a, a + 64))  # across a source's end: its windows wrap to its start
+    resumed = BlendedDataset(sources, [0.5, 0.2, 0.3])
+    resumed.resume(0, 17)
+    check(resumed, range(0, 64))
+    for r in range(2):
+        check(BlendedDataset(sources, [0.5, 0.2, 0.3], rank=r, world_size=2), range(10, 74))
+
+
 def test_blend_of_packed_datasets_composes_with_packing(tmp_path):
     packs = []
     for d in range(2):

@@ -302,9 +302,56 @@ def _as_dicts(batch):
     return {"x": torch.as_tensor(np.stack([s["x"] for s in batch]))}
 
 
+def test_plain_dataloader_workers_hand_out_exactly_the_batches_of_no_workers(tmp_path):
+    """Batches from workers' shared-memory slots equal the batches made without workers, byte for
+    byte, whether the loop drops each batch (slots reused) or keeps them all (the slots run out:
+    the rest come through the pipe); no segment stays behind in /dev/shm."""
+    from torch.utils.data import DataLoader
+
+    from tierio.data import wire
+
+    url = f"file://{tmp_path / 'remote'}"
+    _write(url, n=2000, shard_size=4096)
+    ds = StreamingDataset(url, tmp_path / "cache", batch_size=16, seed=3)  # workers interleave whole batches
+    alone = [{k: v.clone() for k, v in b.items()} for b in DataLoader(ds, batch_size=16, num_workers=0)]
+    assert len(alone) == 125
+    before = {p.name for p in wire.SHM_DIR.glob("tierio-wire-*")}
+    ds.set_epoch(0)  # iterating in this process moved it to the next epoch; forked workers start at 0
+    loader = DataLoader(ds, batch_size=16, num_workers=2)
+    for i, b in enumerate(loader):  # each batch dropped before the next: its slot comes back
+        assert all(torch.equal(b[k], alone[i][k]) and b[k].dtype == alone[i][k].dtype for k in b), f"batch {i}"
+        if i == 8:  # both workers' segments are mapped by now: their names are gone, workers or not
+            assert {p.name for p in wire.SHM_DIR.glob("tierio-wire-*")} <= before
+    kept = list(loader)  # every batch alive at once: more than the workers' 2 x WIRE_SLOTS
+    assert len(kept) == len(alone) > 2 * wire.WIRE_SLOTS
+    assert all(torch.equal(b[k], a[k]) for b, a in zip(kept, alone) for k in a)
+    del loader
+    gc.collect()
+    assert {p.name for p in wire.SHM_DIR.glob("tierio-wire-*")} <= before
+
+
+def test_plain_dataloader_batches_too_large_for_a_ring_come_as_bytes(local_url, tmp_path, monkeypatch):
+    """Batches a worker's ring could hold only a few of travel through the pipe, unchanged."""
+    from torch.utils.data import DataLoader
+
+    from tierio.data import wire
+
+    monkeypatch.setattr(wire, "WIRE_RING_BYTES", wire.WIRE_SLOT_MIN_BYTES * (wire.WIRE_MIN_SLOTS - 1))
+    ds = StreamingDataset(local_url, tmp_path / "cache", batch_size=8, seed=1)
+    alone = list(DataLoader(ds, batch_size=8, num_workers=0))
+    ds.set_epoch(0)
+    before = {p.name for p in wire.SHM_DIR.glob("tierio-wire-*")}
+    loader = iter(DataLoader(ds, batch_size=8, num_workers=2))
+    got = [next(loader)]
+    assert {p.name for p in wire.SHM_DIR.glob("tierio-wire-*")} <= before  # no ring was made
+    got += list(loader)
+    assert len(got) == len(alone) == N // 8 and all(torch.equal(b[k], a[k]) for b, a in zip(got, alone) for k in a)
+
+
 def test_a_plain_dataloader_with_workers_gets_every_sample_once_as_tensors(local_url, tmp_path):
-    """In a plain DataLoader's workers the batches travel as bytes (tierio.data.wire), not through
-    a descriptor per batch; the loop gets the same tensors as without workers."""
+    """In a plain DataLoader's workers the batches travel in a shared-memory slot or as bytes
+    (tierio.data.wire), not through a new segment per batch; the loop gets the same tensors as
+    without workers."""
     from torch.utils.data import DataLoader
 
     ds = StreamingDataset(local_url, tmp_path / "cache", shuffle=False)
@@ -313,7 +360,7 @@ def test_a_plain_dataloader_with_workers_gets_every_sample_once_as_tensors(local
     for b in with_workers:
         assert isinstance(b["x"], torch.Tensor) and b["x"].dtype == alone[0]["x"].dtype == torch.int64
         assert isinstance(b["pad"], torch.Tensor) and b["pad"].shape[1:] == (16,)
-        assert not b["x"].is_shared()  # its bytes came through the pipe, not as a shared segment
+        assert not b["x"].is_shared()  # a worker's slot or the pipe, not a new segment per batch
     ids = sorted(int(i) for b in with_workers for i in b["x"][:, 0])
     assert ids == sorted(int(i) for b in alone for i in b["x"][:, 0]) == list(range(N))
     own = list(DataLoader(ds, batch_size=16, num_workers=2, collate_fn=_as_dicts))

@@ -167,7 +167,7 @@ def bench_blend(work: Path, repeat: int, batch: int = 64, seq_len: int = 1024) -
     """The same loader over one token-window source and over a blend of three."""
     from tierio.data import TokenWindowDataset, build_indexed
     from tierio.data.blend import BlendedDataset
-    from tierio.data.loader import build_loader
+    from tierio.data.loader import build_loader, loader_settings
 
     rng = np.random.default_rng(1)
     sources = []
@@ -175,10 +175,14 @@ def bench_blend(work: Path, repeat: int, batch: int = 64, seq_len: int = 1024) -
         build_indexed([rng.integers(0, 50_000, 20_000_000)], work / f"blend{i}", vocab_size=50_000)
         sources.append(TokenWindowDataset(work / f"blend{i}", seq_len))
     blend = BlendedDataset(sources, [0.5, 0.3, 0.2])
-    n = min(len(blend), len(sources[0]))
+    workers = 2
+    # both sides take the same batches and stop with batches still to come: a side that ran to its
+    # last batch would drain with idle workers while the other's keep prefetching, on the same cores
+    in_flight = workers * (loader_settings().prefetch_factor or 1)
+    n = (min(len(blend), len(sources[0])) // batch - in_flight) * batch
 
     def through(ds: Any) -> float:
-        loader = build_loader(ds, batch, num_workers=2)
+        loader = build_loader(ds, batch, num_workers=workers)
         t, seen = time.perf_counter(), 0
         for b in loader:
             seen += len(b["input_ids"])

@@ -163,7 +163,7 @@ class BlendedDataset(Positioned):
         pos = self.split.positions_of(np.asarray(indices, dtype=np.int64))
         src, k = self.source_index[pos], self.sample_index[pos]
         if self.seq_len is not None:
-            return window_output(self._ring, len(pos), self.seq_len, lambda rows: self._copy_windows(rows, src, k))
+            return window_output(self._ring, len(pos), self.seq_len, lambda rows: self._copy_windows(rows, pos, src, k))
         order = np.argsort(src, kind="stable")
         parts = [self._read(int(d), k[order][src[order] == d]) for d in np.unique(src).tolist()]
         back = np.argsort(order, kind="stable")
@@ -172,12 +172,23 @@ class BlendedDataset(Positioned):
         flat = [x for p in parts for x in (_rows(p) if isinstance(p, dict) else p)]
         return [flat[j] for j in back.tolist()]
 
-    def _copy_windows(self, out: np.ndarray, src: np.ndarray, k: np.ndarray) -> None:
-        for d in range(len(self.sources)):
-            rows = np.flatnonzero(src == d)
-            if not len(rows):
-                continue
-            self.sources[d].copy_windows(out, rows, k[rows] % self.lengths[d])
+    def _copy_windows(self, out: np.ndarray, pos: np.ndarray, src: np.ndarray, k: np.ndarray) -> None:
+        """Each source's windows of the batch into their rows of ``out``: one gather per source."""
+        order = np.argsort(src, kind="stable")  # the rows of each source, in blend order
+        ends = np.cumsum(np.bincount(src, minlength=len(self.sources))).tolist()
+        # consecutive blend positions take consecutive samples of each source (the rule hands a
+        # source its next sample): a sequential batch is one run per source, copied as one view
+        run = len(pos) > 1 and int(pos[-1]) - int(pos[0]) == len(pos) - 1 and bool(np.all(np.diff(pos) == 1))
+        a = 0
+        for d, b in enumerate(ends):
+            if b > a:
+                rows, n = order[a:b], int(self.lengths[d])
+                first = int(k[rows[0]]) % n
+                if run and first + (b - a) <= n:  # the run does not wrap into the source's next pass
+                    self.sources[d].copy_run(out, rows, first, b - a)
+                else:
+                    self.sources[d].copy_windows(out, rows, k[rows] % n)
+            a = b
 
     def _read(self, d: int, k: np.ndarray, single: bool = False) -> Any:
         """Samples ``k`` of source ``d`` (``k`` past its end: its next pass)."""

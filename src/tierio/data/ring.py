@@ -176,9 +176,9 @@ class FieldRing(_Slots):
         out: dict[str, Any] = {}
         for f in self.fields:
             count = batch.rows * math.prod(f.shape)
-            out[f.name] = torch.frombuffer(holder, dtype=_torch_dtype(f.dtype), offset=f.offset,
+            out[f.name] = torch.frombuffer(holder, dtype=torch_dtype(f.dtype), offset=f.offset,
                                            count=count).view(batch.rows, *f.shape) if count else \
-                torch.empty((batch.rows, *f.shape), dtype=_torch_dtype(f.dtype))
+                torch.empty((batch.rows, *f.shape), dtype=torch_dtype(f.dtype))
         out.update(batch.rest)
         return out
 
@@ -195,7 +195,8 @@ def _place(fields: Sequence[tuple[str, Any, tuple[int, ...]]], batch_size: int) 
 
 
 @lru_cache(maxsize=64)
-def _torch_dtype(dt: np.dtype) -> Any:
+def torch_dtype(dt: np.dtype) -> Any:
+    """The torch dtype of a numpy dtype (cached: asking torch costs a tensor each time)."""
     import torch
 
     return torch.from_numpy(np.empty(0, dt)).dtype

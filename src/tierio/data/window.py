@@ -70,6 +70,20 @@ class TokenWindowDataset(Positioned):
         for r, s in zip(rows.tolist(), starts.tolist()):
             out[r] = self._tokens[s : s + self.seq_len + 1]
 
+    def copy_run(self, out: np.ndarray, rows: np.ndarray, first: int, count: int) -> None:
+        """Copy this rank's windows ``first .. first + count - 1`` into ``out[rows]``: a blend's
+        sequential batch takes a run of consecutive windows from each source."""
+        split = self.split
+        if count > 1 and split.world_size == 1 and split.fresh and isinstance(self._tokens, np.ndarray):
+            if not 0 <= first <= first + count <= split.share:
+                raise IndexError(f"windows [{first}, {first + count}) outside this rank's {split.share}")
+            # window i starts at token i * seq_len: the run is one strided view, no per-window lookups
+            tokens, step = self._tokens, self.seq_len * self._tokens.itemsize
+            out[rows] = np.ndarray((count, self.seq_len + 1), tokens.dtype, tokens, first * step,
+                                   (step, tokens.itemsize))
+            return
+        self.copy_windows(out, rows, np.arange(first, first + count, dtype=np.int64))
+
     def _run(self, starts: np.ndarray) -> np.ndarray | None:
         """Evenly spaced windows (sequential batches) as one strided view of the tokens, else None."""
         n = len(starts)

@@ -1,24 +1,45 @@
-"""Batches from a plain ``torch.utils.data.DataLoader``'s workers without torch's shared-memory hand-off.
+"""Batches from a plain ``torch.utils.data.DataLoader``'s workers without torch's per-batch hand-off.
 
 A worker of a plain DataLoader collates ``batch_size`` samples with ``default_collate`` into a
-tensor born in shared memory, and the loop receives it by file descriptor: a new connection to
-the worker for every batch (about 3 ms a batch on a 2-core VM, against ~0.3 ms to make a batch
-of 64 samples of 2 KiB). Two workers were then three times slower than none.
+tensor born in a new shared-memory segment, and the loop receives it by file descriptor: a new
+connection to the worker for every batch (about 3 ms a batch on a 2-core VM, against ~0.3 ms to
+make a batch of 64 samples of 2 KiB). Two workers were then three times slower than none.
 
 Inside a DataLoader worker, :class:`StreamingDataset` therefore hands out its fixed-size fields
 as :class:`Row` (a plain ``ndarray`` subclass: any ``collate_fn`` of the user's sees arrays as
 before), and registers a collate function for ``Row`` with ``default_collate`` in that worker
 process only (the extension point torch documents, ``default_collate_fn_map``). It stacks the rows
-with numpy and wraps the result as :class:`WireTensor`, which pickles as its bytes and unpickles
-in the loop as ``torch.from_numpy(array)``: the loop gets the same tensor type as without workers,
-copied once through the worker's pipe instead of mapped through a descriptor.
+straight into the next free slot of the worker's :class:`WireRing`, one segment of shared memory
+made once per worker, and only a :class:`WireSlot` (segment name, slot, dtype, shape: ~150 bytes)
+crosses the pipe. The loop maps the segment once per worker and turns each slot into a tensor
+over it; the slot is free again when the last view of that tensor is gone. The loop gets the same
+tensor type as without workers, and the batch is copied once, in the worker.
+
+A slot holds a batch of the largest fixed-size field, as many rows as the first batch; a ring has
+up to WIRE_SLOTS slots in WIRE_RING_BYTES. Without a free slot (the loop keeps many batches alive),
+for batches too large for a ring, or where no shared memory can be made, the batch travels as its
+bytes through the pipe (:class:`WireTensor`).
 """
 
 from __future__ import annotations
 
+import math
+import mmap
+import os
+import secrets
+import weakref
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+SHM_DIR = Path("/dev/shm")
+WIRE_SLOTS = 16  # per worker at most: prefetched batches (2 by default) of a few fields, the loop's, spares
+WIRE_MIN_SLOTS = 4  # fewer than this would keep a worker waiting for the loop: send bytes instead
+WIRE_SLOT_MIN_BYTES = 256 << 10
+WIRE_RING_BYTES = 64 << 20  # shared memory per worker at most
+HEADER_BYTES = 64  # a flag byte per slot
+FREE, FILLED = 0, 1
 
 
 class Row(np.ndarray):
@@ -26,7 +47,7 @@ class Row(np.ndarray):
 
 
 class WireTensor:
-    """A collated batch on its way to the loop: becomes ``torch.from_numpy(array)`` when unpickled."""
+    """A collated batch on its way to the loop as bytes: becomes ``torch.from_numpy(array)`` when unpickled."""
 
     __slots__ = ("array",)
 
@@ -39,8 +60,170 @@ class WireTensor:
         return torch.from_numpy, (self.array,)
 
 
-def collate_rows(batch: list[Row], *, collate_fn_map: Any = None) -> WireTensor:
-    return WireTensor(np.stack([r.view(np.ndarray) for r in batch]))
+class WireRing:
+    """One worker's slots of shared memory (a file in /dev/shm, mapped by the worker and the loop).
+
+    The loop removes the file as soon as it has mapped it (the worker at its exit if the loop never
+    did), so nothing stays behind in /dev/shm, even when the workers are killed; the memory goes
+    when both mappings are gone."""
+
+    def __init__(self, slot_bytes: int, slots: int) -> None:
+        from multiprocessing.util import Finalize
+
+        self.slot_bytes = -(-slot_bytes // 4096) * 4096
+        self.slots = slots
+        self.size_bytes = HEADER_BYTES + slots * self.slot_bytes
+        self.name = f"tierio-wire-{os.getpid()}-{secrets.token_hex(6)}"
+        path = SHM_DIR / self.name
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, self.size_bytes)
+            self.map = mmap.mmap(fd, self.size_bytes)
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        self.bytes = np.frombuffer(self.map, dtype=np.uint8)
+        self.bytes[HEADER_BYTES:] = 0  # fault every page in now, not while a batch waits
+        self.flags = self.bytes[:slots]
+        self.next = 0
+        self.pid = os.getpid()
+        Finalize(self, _unlink, (path,), exitpriority=0)
+
+    def acquire(self) -> int | None:
+        """A free slot, marked FILLED; None when the loop still holds every slot."""
+        for k in range(self.slots):
+            slot = (self.next + k) % self.slots
+            if self.flags[slot] == FREE:
+                self.flags[slot] = FILLED
+                self.next = (slot + 1) % self.slots
+                return slot
+        return None
+
+    def view(self, slot: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        at = HEADER_BYTES + slot * self.slot_bytes
+        return self.bytes[at : at + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+
+
+class WireSlot:
+    """A collated batch left in a WireRing slot: becomes a tensor over that slot when unpickled."""
+
+    __slots__ = ("ring", "slot", "dtype", "shape")
+
+    def __init__(self, ring: WireRing, slot: int, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+        self.ring, self.slot, self.dtype, self.shape = ring, slot, dtype, shape
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        r = self.ring
+        return from_slot, (r.name, r.size_bytes, HEADER_BYTES + self.slot * r.slot_bytes, self.slot,
+                           self.dtype.str, self.shape)
+
+
+_maps: dict[str, np.ndarray] = {}  # in the loop: each worker's segment, mapped once
+
+
+def from_slot(name: str, size_bytes: int, offset: int, slot: int, dtype: str, shape: tuple[int, ...]) -> Any:
+    """The loop's side: a tensor over the batch in ``slot``; the slot is freed with its last view."""
+    import torch
+
+    from tierio.data.ring import torch_dtype
+
+    seg = _maps.get(name)
+    if seg is None:
+        seg = _maps[name] = _map(name, size_bytes)
+    dt = np.dtype(dtype)
+    count = math.prod(shape)
+    if not count:
+        _release(seg, slot)
+        return torch.from_numpy(np.empty(shape, dt))
+    holder = seg[offset : offset + count * dt.itemsize]  # one object per batch, kept alive by every view
+    weakref.finalize(holder, _release, seg, slot)
+    return torch.frombuffer(holder, dtype=torch_dtype(dt), count=count).view(shape)
+
+
+def _map(name: str, size_bytes: int) -> np.ndarray:
+    path = SHM_DIR / name
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        raise RuntimeError(f"DataLoader worker batch segment {path} is gone before the loop mapped it: "
+                           "something removed files from /dev/shm while the loader ran") from None
+    try:
+        seg = np.frombuffer(mmap.mmap(fd, size_bytes), dtype=np.uint8)
+    finally:
+        os.close(fd)
+    _unlink(path)  # mapped once for the worker's life (see _maps): the name is no longer needed
+    for other in [n for n in _maps if not _alive(n)]:  # segments of workers that exited
+        del _maps[other]  # batches still alive keep their mapping; it goes with them
+    return seg
+
+
+def _alive(name: str) -> bool:
+    try:
+        os.kill(int(name.split("-")[2]), 0)
+    except (ProcessLookupError, ValueError, IndexError):
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _release(seg: np.ndarray, slot: int) -> None:
+    seg[slot] = FREE
+
+
+def _unlink(path: Path | None) -> None:
+    if path is not None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+_ring: WireRing | None = None
+_no_ring_pid: int | None = None  # a process where no shared memory could be made: bytes only
+
+
+_largest_row_bytes = 0  # in a worker: the largest fixed-size field's bytes per sample
+
+
+def _worker_ring(nbytes: int, rows: int) -> WireRing | None:
+    """This worker's ring (made at its first batch: a slot holds that many rows of its largest
+    field), or None to send bytes."""
+    global _ring, _no_ring_pid
+    pid = os.getpid()
+    if _ring is not None and _ring.pid == pid:
+        return _ring if nbytes <= _ring.slot_bytes else None
+    if _no_ring_pid == pid:
+        return None
+    slot_bytes = max(WIRE_SLOT_MIN_BYTES, nbytes, _largest_row_bytes * rows)
+    slots = min(WIRE_SLOTS, WIRE_RING_BYTES // slot_bytes)
+    _ring = None
+    if slots >= WIRE_MIN_SLOTS:  # else batches too large to hold a few of in WIRE_RING_BYTES
+        try:
+            _ring = WireRing(slot_bytes, slots)
+        except OSError:  # no /dev/shm, or it is full
+            pass
+    if _ring is None:
+        _no_ring_pid = pid
+    return _ring
+
+
+def collate_rows(batch: list[Row], *, collate_fn_map: Any = None) -> WireTensor | WireSlot:
+    first = batch[0]
+    shape = (len(batch), *first.shape)
+    nbytes = math.prod(shape) * first.dtype.itemsize
+    ring = _worker_ring(nbytes, len(batch))
+    slot = ring.acquire() if ring is not None else None
+    if slot is None:
+        return WireTensor(np.stack(batch).view(np.ndarray))
+    try:
+        np.stack(batch, out=ring.view(slot, first.dtype, shape))  # type: ignore[union-attr]
+    except BaseException:
+        ring.flags[slot] = FREE  # type: ignore[union-attr]
+        raise
+    return WireSlot(ring, slot, first.dtype, shape)  # type: ignore[arg-type]
 
 
 _registered = False
@@ -49,11 +232,16 @@ _registered = False
 def rows_in_worker(batch: dict[str, Any]) -> dict[str, Any]:
     """``batch`` with its fixed-size fields viewed as Row, and Row's collation registered in this
     process (call only in a DataLoader worker)."""
-    global _registered
+    global _registered, _largest_row_bytes
     if not _registered:
         from torch.utils.data._utils.collate import default_collate_fn_map
 
         default_collate_fn_map[Row] = collate_rows
         _registered = True
-    return {k: v.view(Row) if isinstance(v, np.ndarray) and v.ndim > 1 and v.dtype.kind in "biuf" else v
-            for k, v in batch.items()}
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, np.ndarray) and v.ndim > 1 and v.dtype.kind in "biuf":
+            v = v.view(Row)
+            _largest_row_bytes = max(_largest_row_bytes, v[0].nbytes if len(v) else 0)
+        out[k] = v
+    return out
