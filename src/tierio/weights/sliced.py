@@ -24,6 +24,7 @@ import torch
 from tierio.errors import ConfigError, NotFoundError
 from tierio.format.safetensors import TensorEntry, itemsize, torch_dtype
 from tierio.io.engine import ByteRange, Windowing, plan
+from tierio.io.gather import gather
 from tierio.io.untrusted import loads
 from tierio.weights import engine
 from tierio.weights.engine import Counters, Extent
@@ -139,12 +140,36 @@ def cut(t: torch.Tensor, take: Take) -> torch.Tensor:
 
 
 def read_strided(items: list[Strided], *, chunk_size: int, depth: int, direct: bool, gap: int | None = None) -> Counters:
-    """Fill every item's ``dest`` (allocated here when None) with its slice; the bytes read."""
-    extents: list[Extent] = []
-    members: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # id(extent) -> (its pieces, the dest bytes)
+    """Fill every item's ``dest`` (allocated here when None) with its slice; the bytes asked of the
+    source (widened to its blocks, holes read through included). A slice of a local file whose
+    holes exceed the gap is read exactly by ``io.gather``; the others go through the staging ring,
+    their pieces merged across holes up to the gap."""
+    counters = Counters()
+    ring: list[Strided] = []
     for it in items:
         if it.dest is None:
             it.dest = torch.empty(it.take.shape(it.entry.shape), dtype=torch_dtype(it.entry.dtype))
+        g = default_gap(it.shard) if gap is None else gap
+        if it.shard.path is None or smallest_hole(it.entry, it.take) <= g:
+            ring.append(it)
+            continue
+        got = gather(it.shard.path, it.pieces(), it.dest.reshape(-1).view(torch.uint8).numpy(), where=it.shard.where,
+                     direct=direct)
+        counters.total += got.requested_bytes
+        counters.add("direct_bytes" if got.direct else "buffered_bytes", got.requested_bytes)
+    if ring:
+        _read_ring(ring, chunk_size=chunk_size, depth=depth, direct=direct, gap=gap, counters=counters)
+    return counters
+
+
+def _read_ring(items: list[Strided], *, chunk_size: int, depth: int, direct: bool, gap: int | None,
+               counters: Counters) -> None:
+    """The slices through the staging ring: pieces merged across holes up to the gap, each window's
+    pieces copied out."""
+    extents: list[Extent] = []
+    members: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # id(extent) -> (its pieces, the dest bytes)
+    for it in items:
+        assert it.dest is not None
         p = it.pieces()
         g = default_gap(it.shard) if gap is None else gap
         dest = it.dest.reshape(-1).view(torch.uint8).numpy()
@@ -166,9 +191,8 @@ def read_strided(items: list[Strided], *, chunk_size: int, depth: int, direct: b
             if lo < hi:
                 dest[at + lo - off : at + hi - off] = win[lo - lo_w : hi - lo_w]
 
-    counters = Counters(total=sum(x.end - x.start for x in extents))
+    counters.total += sum(x.end - x.start for x in extents)
     engine.read_through_ring(extents, sink, chunk_size=chunk_size, depth=depth, direct=direct, counters=counters)
-    return counters
 
 
 def targets(src: ModelSource, spec: TensorParallel, dests: dict[str, torch.Tensor]
