@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from tierio.errors import IntegrityError, os_error
-from tierio.io.buffers import ALIGN, HostBuffer, shared_pool
+from tierio.io import aio
+from tierio.io.buffers import ALIGN, HostBuffer, address_of, shared_pool
 from tierio.io.direct import open_file
 from tierio.io.engine import run_windows
 from tierio.io.pagecache import queue_value, range_resident
@@ -37,6 +38,8 @@ BATCH_BYTES = 1 << 20  # scratch per batch in flight: many rows per task, little
 BATCH_REQUESTS = 256  # at most this many requests per batch (fewer: more numpy work per request)
 MIN_BATCH = 8  # at least this many, unless the tensor has fewer
 GATHER_DEPTH = 32  # batches in flight: the device's queue wants tens of small reads (docs/weights.md)
+AIO_DEPTH = 64  # requests in flight through native AIO
+AIO_SCRATCH_BYTES = 8 << 20  # scratch per group of AIO requests
 RESIDENT = 0.5  # a span at least this much in the page cache is read buffered (a memcpy)
 
 
@@ -121,7 +124,7 @@ def _copy_out(scratch: np.ndarray, src: np.ndarray, dst: np.ndarray, length: np.
 
 
 def _gather(fd: int, where: str, pieces: np.ndarray, dest: np.ndarray, block: int, direct: bool,
-            depth: int) -> Gathered:
+            depth: int, use_aio: bool) -> Gathered:
     pieces = split_long(pieces, BATCH_BYTES // 2)
     starts, ends, needs, which = requests(pieces, block)
     sizes = ends - starts
@@ -145,8 +148,55 @@ def _gather(fd: int, where: str, pieces: np.ndarray, dest: np.ndarray, block: in
             if total <= BATCH_BYTES:
                 pool.release(buf)
 
+    if direct and use_aio and aio.available():
+        try:
+            _gather_aio(fd, where, pieces, dest, starts, sizes, needs, which, block)
+            return Gathered(int(sizes.sum()), len(starts), direct)
+        except _NoContext:
+            pass  # no AIO context to be had (fs.aio-max-nr reached): threads instead
     run_windows(batches(starts, ends, depth), body, depth)
     return Gathered(int(sizes.sum()), len(starts), direct)
+
+
+class _NoContext(Exception):
+    """io_setup failed: the caller reads with threads."""
+
+
+def _gather_aio(fd: int, where: str, pieces: np.ndarray, dest: np.ndarray, starts: np.ndarray, sizes: np.ndarray,
+                needs: np.ndarray, which: np.ndarray, block: int) -> None:
+    """The O_DIRECT requests through native AIO from this thread, AIO_SCRATCH_BYTES of scratch at a time."""
+    try:
+        ctx = aio.Context(AIO_DEPTH)
+    except OSError as exc:
+        raise _NoContext() from exc
+    pool = shared_pool("gather", AIO_SCRATCH_BYTES)
+    with ctx:
+        ends = np.cumsum(sizes)
+        a = 0
+        while a < len(starts):
+            # a group of requests fitting the scratch (at least one, however large)
+            b = max(a + 1, int(np.searchsorted(ends, ends[a] - sizes[a] + AIO_SCRATCH_BYTES, side="right")))
+            at = np.zeros(b - a + 1, dtype=np.int64)
+            np.cumsum(sizes[a:b], out=at[1:])
+            total = int(at[-1])
+            buf = pool.acquire(total) if total <= AIO_SCRATCH_BYTES else HostBuffer(total, pin=False)
+            try:
+                got = ctx.read(fd, starts[a:b], sizes[a:b], address_of(buf.array) + at[:-1].astype(np.uint64))
+                short = np.flatnonzero(got < needs[a:b] - starts[a:b])
+                for j in short.tolist():  # an error, or a read cut short (the end of the file): once more, by preadv
+                    if got[j] < 0 and -got[j] == errno.EINVAL and block < ALIGN:
+                        raise _Unaligned()
+                    if got[j] < 0:
+                        raise os_error(OSError(-int(got[j]), os.strerror(-int(got[j]))), where, "reading")
+                    lo, n = int(starts[a + j]), int(sizes[a + j])
+                    _read(fd, buf.view[int(at[j]) : int(at[j]) + n], lo, int(needs[a + j]) - lo, where, False)
+                i0, i1 = np.searchsorted(which, [a, b])
+                mine, req = pieces[i0:i1], which[i0:i1]
+                _copy_out(buf.array, at[req - a] + mine[:, 0] - starts[req], mine[:, 2], mine[:, 1], dest)
+            finally:
+                if total <= AIO_SCRATCH_BYTES:
+                    pool.release(buf)
+            a = b
 
 
 def _read(fd: int, view: memoryview, offset: int, need: int, where: str, may_be_unaligned: bool) -> None:
@@ -166,9 +216,10 @@ def _read(fd: int, view: memoryview, offset: int, need: int, where: str, may_be_
 
 
 def gather(path: str | Path, pieces: np.ndarray, dest: np.ndarray, *, where: str | None = None, direct: bool = True,
-           depth: int = GATHER_DEPTH) -> Gathered:
+           depth: int = GATHER_DEPTH, use_aio: bool = True) -> Gathered:
     """Copy every piece (rows of file offset, length, offset in ``dest``; sorted by file offset) of
-    the file ``path`` into the uint8 array ``dest``."""
+    the file ``path`` into the uint8 array ``dest``. ``use_aio``: O_DIRECT requests through native
+    AIO where available (else ``depth`` threads)."""
     where = where or str(path)
     if not len(pieces):
         return Gathered(0, 0, False)
@@ -180,12 +231,12 @@ def gather(path: str | Path, pieces: np.ndarray, dest: np.ndarray, *, where: str
             fd, is_direct = open_file(path, write=False, direct=False)
         if is_direct:
             try:
-                return _gather(fd, where, pieces, dest, logical_block(fd), True, depth)
+                return _gather(fd, where, pieces, dest, logical_block(fd), True, depth, use_aio)
             except _Unaligned:  # the file system wants more than the device's logical block
-                return _gather(fd, where, pieces, dest, ALIGN, True, depth)
+                return _gather(fd, where, pieces, dest, ALIGN, True, depth, use_aio)
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # this descriptor only: no readahead into the holes
-        return _gather(fd, where, pieces, dest, 1, False, depth)
+        return _gather(fd, where, pieces, dest, 1, False, depth, False)
     finally:
         os.close(fd)
 
