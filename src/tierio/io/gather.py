@@ -7,10 +7,12 @@ of reading the whole tensor; widened to the 4 KiB grid, a 2 KiB piece read twice
 
 Here each piece's range is widened only to the device's *logical* block (512 B on most disks,
 read from /sys; 4 KiB where it cannot be known), pieces whose widened ranges touch are merged
-into one request, and batches of consecutive requests run ``depth`` at a time on the shared I/O
-pool. A batch reads its requests with one ``preadv`` each into a page-aligned scratch buffer,
-then copies its pieces out with one strided numpy copy when they are regular (the rows of a
-slice: the same length, the same misalignment, evenly spaced), else piece by piece.
+into one request. O_DIRECT requests go through native AIO (io.aio: ``io_submit`` batches,
+AIO_DEPTH in flight, from the calling thread); otherwise batches of consecutive requests run
+``depth`` at a time on the shared I/O pool, one ``preadv`` per request. Either way a group of
+requests lands in a page-aligned scratch buffer and its pieces are copied out with one strided
+numpy copy when they are regular (the rows of a slice: the same length, the same misalignment,
+evenly spaced), else piece by piece.
 
 Without O_DIRECT (tmpfs, some FUSE mounts, or a range already in the page cache) the reads are
 buffered, exactly the pieces, on a descriptor marked POSIX_FADV_RANDOM, so readahead does not pull
@@ -38,8 +40,9 @@ BATCH_BYTES = 1 << 20  # scratch per batch in flight: many rows per task, little
 BATCH_REQUESTS = 256  # at most this many requests per batch (fewer: more numpy work per request)
 MIN_BATCH = 8  # at least this many, unless the tensor has fewer
 GATHER_DEPTH = 32  # batches in flight: the device's queue wants tens of small reads (docs/weights.md)
-AIO_DEPTH = 64  # requests in flight through native AIO
+AIO_DEPTH = 128  # requests in flight through native AIO (128 tags in this disk's queue; deeper read no faster)
 AIO_SCRATCH_BYTES = 8 << 20  # scratch per group of AIO requests
+SCRATCH_BUDGET = 64 << 20  # all scratch buffers of the process's gathers together
 RESIDENT = 0.5  # a span at least this much in the page cache is read buffered (a memcpy)
 
 
@@ -128,7 +131,7 @@ def _gather(fd: int, where: str, pieces: np.ndarray, dest: np.ndarray, block: in
     pieces = split_long(pieces, BATCH_BYTES // 2)
     starts, ends, needs, which = requests(pieces, block)
     sizes = ends - starts
-    pool = shared_pool("gather", BATCH_BYTES * (depth + 1))
+    pool = shared_pool("gather", SCRATCH_BUDGET)
 
     def body(span: tuple[int, int]) -> None:
         a, b = span
@@ -166,37 +169,36 @@ def _gather_aio(fd: int, where: str, pieces: np.ndarray, dest: np.ndarray, start
                 needs: np.ndarray, which: np.ndarray, block: int) -> None:
     """The O_DIRECT requests through native AIO from this thread, AIO_SCRATCH_BYTES of scratch at a time."""
     try:
-        ctx = aio.Context(AIO_DEPTH)
+        ctx = aio.thread_context(AIO_DEPTH)
     except OSError as exc:
         raise _NoContext() from exc
-    pool = shared_pool("gather", AIO_SCRATCH_BYTES)
-    with ctx:
-        ends = np.cumsum(sizes)
-        a = 0
-        while a < len(starts):
-            # a group of requests fitting the scratch (at least one, however large)
-            b = max(a + 1, int(np.searchsorted(ends, ends[a] - sizes[a] + AIO_SCRATCH_BYTES, side="right")))
-            at = np.zeros(b - a + 1, dtype=np.int64)
-            np.cumsum(sizes[a:b], out=at[1:])
-            total = int(at[-1])
-            buf = pool.acquire(total) if total <= AIO_SCRATCH_BYTES else HostBuffer(total, pin=False)
-            try:
-                got = ctx.read(fd, starts[a:b], sizes[a:b], address_of(buf.array) + at[:-1].astype(np.uint64))
-                short = np.flatnonzero(got < needs[a:b] - starts[a:b])
-                for j in short.tolist():  # an error, or a read cut short (the end of the file): once more, by preadv
-                    if got[j] < 0 and -got[j] == errno.EINVAL and block < ALIGN:
-                        raise _Unaligned()
-                    if got[j] < 0:
-                        raise os_error(OSError(-int(got[j]), os.strerror(-int(got[j]))), where, "reading")
-                    lo, n = int(starts[a + j]), int(sizes[a + j])
-                    _read(fd, buf.view[int(at[j]) : int(at[j]) + n], lo, int(needs[a + j]) - lo, where, False)
-                i0, i1 = np.searchsorted(which, [a, b])
-                mine, req = pieces[i0:i1], which[i0:i1]
-                _copy_out(buf.array, at[req - a] + mine[:, 0] - starts[req], mine[:, 2], mine[:, 1], dest)
-            finally:
-                if total <= AIO_SCRATCH_BYTES:
-                    pool.release(buf)
-            a = b
+    pool = shared_pool("gather", SCRATCH_BUDGET)
+    ends = np.cumsum(sizes)
+    a = 0
+    while a < len(starts):
+        # a group of requests fitting the scratch (at least one, however large)
+        b = max(a + 1, int(np.searchsorted(ends, ends[a] - sizes[a] + AIO_SCRATCH_BYTES, side="right")))
+        at = np.zeros(b - a + 1, dtype=np.int64)
+        np.cumsum(sizes[a:b], out=at[1:])
+        total = int(at[-1])
+        buf = pool.acquire(total) if total <= AIO_SCRATCH_BYTES else HostBuffer(total, pin=False)
+        try:
+            got = ctx.read(fd, starts[a:b], sizes[a:b], address_of(buf.array) + at[:-1].astype(np.uint64))
+            short = np.flatnonzero(got < needs[a:b] - starts[a:b])
+            for j in short.tolist():  # an error, or a read cut short (the end of the file): once more, by preadv
+                if got[j] < 0 and -got[j] == errno.EINVAL and block < ALIGN:
+                    raise _Unaligned()
+                if got[j] < 0:
+                    raise os_error(OSError(-int(got[j]), os.strerror(-int(got[j]))), where, "reading")
+                lo, n = int(starts[a + j]), int(sizes[a + j])
+                _read(fd, buf.view[int(at[j]) : int(at[j]) + n], lo, int(needs[a + j]) - lo, where, False)
+            i0, i1 = np.searchsorted(which, [a, b])
+            mine, req = pieces[i0:i1], which[i0:i1]
+            _copy_out(buf.array, at[req - a] + mine[:, 0] - starts[req], mine[:, 2], mine[:, 1], dest)
+        finally:
+            if total <= AIO_SCRATCH_BYTES:
+                pool.release(buf)
+        a = b
 
 
 def _read(fd: int, view: memoryview, offset: int, need: int, where: str, may_be_unaligned: bool) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from tierio.errors import ConfigError, NotFoundError
 from tierio.format.safetensors import TensorEntry, itemsize, torch_dtype
-from tierio.io.engine import ByteRange, Windowing, plan
+from tierio.io.engine import ByteRange, Windowing, plan, run_windows
 from tierio.io.gather import gather
 from tierio.io.untrusted import loads
 from tierio.weights import engine
@@ -39,6 +39,7 @@ from tierio.weights.tp import Take, TensorParallel, preset
 # on a remote store a ranged GET costs milliseconds, so rows are read whole unless very long.
 LOCAL_GAP = 32 << 10
 REMOTE_GAP = 4 << 20
+EXACT_TENSORS = 2  # strided slices read exactly at once
 CONFIG_LIMIT = 4 << 20
 
 
@@ -149,17 +150,23 @@ def read_strided(items: list[Strided], *, chunk_size: int, depth: int, direct: b
     their pieces merged across holes up to the gap."""
     counters = Counters()
     ring: list[Strided] = []
+    exact: list[Strided] = []
     for it in items:
         if it.dest is None:
             it.dest = torch.empty(it.take.shape(it.entry.shape), dtype=torch_dtype(it.entry.dtype))
         g = default_gap(it.shard) if gap is None else gap
-        if it.shard.path is None or smallest_hole(it.entry, it.take) <= g:
-            ring.append(it)
-            continue
+        (ring if it.shard.path is None or smallest_hole(it.entry, it.take) <= g else exact).append(it)
+
+    def one(it: Strided) -> None:
+        assert it.shard.path is not None and it.dest is not None
         got = gather(it.shard.path, it.pieces(), it.dest.reshape(-1).view(torch.uint8).numpy(), where=it.shard.where,
                      direct=direct)
-        counters.total += got.requested_bytes
+        with counters._lock:
+            counters.total += got.requested_bytes
         counters.add("direct_bytes" if got.direct else "buffered_bytes", got.requested_bytes)
+
+    # a few tensors at once: one's setup and copy-out overlap another's reads
+    run_windows(exact, one, EXACT_TENSORS)
     if ring:
         _read_ring(ring, chunk_size=chunk_size, depth=depth, direct=direct, gap=gap, counters=counters)
     return counters
