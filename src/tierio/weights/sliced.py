@@ -114,9 +114,9 @@ class SlicePlan:
 
 
 def split(src: ModelSource, spec: TensorParallel, names: Iterable[str], gap: int | None = None) -> SlicePlan:
-    """The tensors ``names`` for ``spec``'s rank. A strided slice whose pieces lie at most ``gap``
-    apart is read whole with the other entries and cut after (one larger read plus a copy);
-    one with larger holes is read by pieces."""
+    """The tensors ``names`` for ``spec``'s rank. A strided slice of a local file is read by
+    ``read_strided`` (whole or by pieces, as its holes say); a remote one whose pieces lie at most
+    ``gap`` apart is read whole with the other entries and cut after, one with larger holes by pieces."""
     table = src.tensors()
     selected: dict[int, list[tuple[str, TensorEntry]]] = {}
     shards: dict[int, Shard] = {}
@@ -127,7 +127,7 @@ def split(src: ModelSource, spec: TensorParallel, names: Iterable[str], gap: int
         shard, e = table[name]
         take = spec.take(name, e.shape)
         if take is not None and not take.contiguous(e.shape):
-            if smallest_hole(e, take) > (default_gap(shard) if gap is None else gap):
+            if shard.path is not None or smallest_hole(e, take) > (default_gap(shard) if gap is None else gap):
                 out.strided.append(Strided(name, shard, e, take))
                 continue
             out.cuts[name], take = take, None
@@ -145,22 +145,24 @@ def cut(t: torch.Tensor, take: Take) -> torch.Tensor:
 
 def read_strided(items: list[Strided], *, chunk_size: int, depth: int, direct: bool, gap: int | None = None) -> Counters:
     """Fill every item's ``dest`` (allocated here when None) with its slice; the bytes asked of the
-    source (widened to its blocks, holes read through included). A slice of a local file whose
-    holes exceed the gap is read exactly by ``io.gather``; the others go through the staging ring,
-    their pieces merged across holes up to the gap."""
+    source (widened to its blocks, holes read through included). Slices of local files are read by
+    ``io.gather``: exactly when their holes exceed the gap, else whole (holes read through) with
+    only the slice copied out; remote ones go through the staging ring, pieces merged across holes
+    up to the gap."""
     counters = Counters()
     ring: list[Strided] = []
     exact: list[Strided] = []
     for it in items:
         if it.dest is None:
             it.dest = torch.empty(it.take.shape(it.entry.shape), dtype=torch_dtype(it.entry.dtype))
-        g = default_gap(it.shard) if gap is None else gap
-        (ring if it.shard.path is None or smallest_hole(it.entry, it.take) <= g else exact).append(it)
+        (ring if it.shard.path is None else exact).append(it)
 
     def one(it: Strided) -> None:
         assert it.shard.path is not None and it.dest is not None
+        g = default_gap(it.shard) if gap is None else gap
+        # holes up to the gap are read through (the tensor whole, in requests of MERGED_BYTES), longer ones skipped
         got = gather(it.shard.path, it.pieces(), it.dest.reshape(-1).view(torch.uint8).numpy(), where=it.shard.where,
-                     direct=direct)
+                     direct=direct, merge_gap=g if smallest_hole(it.entry, it.take) <= g else 0)
         with counters._lock:
             counters.total += got.requested_bytes
         counters.add("direct_bytes" if got.direct else "buffered_bytes", got.requested_bytes)
