@@ -66,11 +66,10 @@ def split_long(pieces: np.ndarray, most: int) -> np.ndarray:
     """``pieces`` with every piece cut at the multiples of ``most`` (a multiple of the block) in the
     file, so no request needs more scratch than that."""
     ends = pieces[:, 0] + pieces[:, 1]
-    cuts = ends // most - pieces[:, 0] // most - (ends % most == 0)
-    if not (cuts > 0).any():
+    if not (ends - 1 >= (pieces[:, 0] // most + 1) * most).any():
         return pieces
     rows = []
-    for (off, n, at), k in zip(pieces.tolist(), cuts.tolist()):
+    for off, n, at in pieces.tolist():
         end = off + n
         while off < end:
             step = min(end, (off // most + 1) * most) - off
@@ -194,7 +193,10 @@ def _gather_aio(fd: int, where: str, pieces: np.ndarray, dest: np.ndarray, start
         total = int(at[-1])
         buf = pool.acquire(total) if total <= AIO_SCRATCH_BYTES else HostBuffer(total, pin=False)
         try:
-            got = ctx.read(fd, starts[a:b], sizes[a:b], address_of(buf.array) + at[:-1].astype(np.uint64))
+            try:
+                got = ctx.read(fd, starts[a:b], sizes[a:b], address_of(buf.array) + at[:-1].astype(np.uint64))
+            except OSError as exc:
+                raise os_error(exc, where, "reading") from exc
             short = np.flatnonzero(got < needs[a:b] - starts[a:b])
             for j in short.tolist():  # an error, or a read cut short (the end of the file): once more, by preadv
                 if got[j] < 0 and -got[j] == errno.EINVAL and block < ALIGN:
@@ -239,10 +241,10 @@ def gather(path: str | Path, pieces: np.ndarray, dest: np.ndarray, *, where: str
         return Gathered(0, 0, False)
     span = int(pieces[0, 0]), int(pieces[-1, 0] + pieces[-1, 1])
     fd, is_direct = open_file(path, write=False, direct=direct)
+    if is_direct and range_resident(fd, span[0], span[1] - span[0]) >= RESIDENT:
+        os.close(fd)  # already in memory: a buffered read is a memcpy
+        fd, is_direct = open_file(path, write=False, direct=False)
     try:
-        if is_direct and range_resident(fd, span[0], span[1] - span[0]) >= RESIDENT:
-            os.close(fd)  # already in memory: a buffered read is a memcpy
-            fd, is_direct = open_file(path, write=False, direct=False)
         if is_direct:
             try:
                 return _gather(fd, where, pieces, dest, logical_block(fd), True, depth, use_aio, merge_gap)

@@ -6,11 +6,12 @@ A rank's part of a tensor (``tp.Take``) is one of two shapes in the file:
   (a narrower ``TensorEntry``), so it keeps every path of the loader: mapped views, private
   arenas, the GPU ring, streaming into ``load_into``'s targets;
 * **strided** (a dim-1 slice, or a fused tensor's several ranges): one piece per row. A slice
-  whose holes are at most ``gap`` bytes is read whole and cut (one larger read plus a copy); one
-  with larger holes is read by pieces: from a local file exactly (``io.gather``, widened to the
-  device's logical block), from a remote store merged across holes up to the gap through the
-  staging ring. ``gap`` = 0 reads exactly the slice. The default per source kind is a request's
-  cost in bytes of transfer, measured (docs/weights.md, "tensor parallel").
+  whose holes are at most ``gap`` bytes is read whole (one larger read plus a copy), one with
+  larger holes by pieces. Local files go through ``io.gather`` either way (requests widened to the
+  device's logical block, holes up to the gap read through, only the slice copied out); remote
+  slices read whole are cut from the whole tensor, the others go by pieces through the staging
+  ring. ``gap`` = 0 reads exactly the slice. The default per source kind is a request's cost in
+  bytes of transfer, measured (docs/weights.md, "tensor parallel").
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from tierio.errors import ConfigError, NotFoundError
 from tierio.format.safetensors import TensorEntry, itemsize, torch_dtype
 from tierio.io.engine import ByteRange, Windowing, plan, run_windows
-from tierio.io.gather import gather
+from tierio.io.gather import Gathered, gather
 from tierio.io.untrusted import loads
 from tierio.weights import engine
 from tierio.weights.engine import Counters, Extent
@@ -35,11 +36,12 @@ from tierio.weights.tp import Take, TensorParallel, preset
 # Holes between a strided slice's row pieces read through rather than skipped: a hole costs its
 # bytes of transfer, a piece read exactly costs a request, so the gap is a request's cost in bytes.
 # Measured (docs/weights.md, "tensor parallel"): on local files a piece read by io.gather costs
-# 14-17 us alone and about 24 us beside a load's other reads, at 1.2-1.3 GB/s about 32 KiB;
-# on a remote store a ranged GET costs milliseconds, so rows are read whole unless very long.
+# 9-22 us, 7-50 KiB at the bandwidth the disk streamed meanwhile, and inside a whole rank's load
+# exact pieces 21 KiB apart still lost to reading them through; on a remote store a ranged GET
+# costs milliseconds, so rows are read whole unless very long.
 LOCAL_GAP = 32 << 10
 REMOTE_GAP = 4 << 20
-EXACT_TENSORS = 2  # strided slices read exactly at once
+EXACT_TENSORS = 2  # local strided slices read at once (4 was no faster)
 CONFIG_LIMIT = 4 << 20
 
 
@@ -157,18 +159,17 @@ def read_strided(items: list[Strided], *, chunk_size: int, depth: int, direct: b
             it.dest = torch.empty(it.take.shape(it.entry.shape), dtype=torch_dtype(it.entry.dtype))
         (ring if it.shard.path is None else exact).append(it)
 
-    def one(it: Strided) -> None:
+    def one(it: Strided) -> Gathered:
         assert it.shard.path is not None and it.dest is not None
         g = default_gap(it.shard) if gap is None else gap
         # holes up to the gap are read through (the tensor whole, in requests of MERGED_BYTES), longer ones skipped
-        got = gather(it.shard.path, it.pieces(), it.dest.reshape(-1).view(torch.uint8).numpy(), where=it.shard.where,
-                     direct=direct, merge_gap=g if smallest_hole(it.entry, it.take) <= g else 0)
-        with counters._lock:
-            counters.total += got.requested_bytes
-        counters.add("direct_bytes" if got.direct else "buffered_bytes", got.requested_bytes)
+        return gather(it.shard.path, it.pieces(), it.dest.reshape(-1).view(torch.uint8).numpy(), where=it.shard.where,
+                      direct=direct, merge_gap=g if smallest_hole(it.entry, it.take) <= g else 0)
 
     # a few tensors at once: one's setup and copy-out overlap another's reads
-    run_windows(exact, one, EXACT_TENSORS)
+    for got in run_windows(exact, one, EXACT_TENSORS):
+        counters.total += got.requested_bytes
+        counters.add("direct_bytes" if got.direct else "buffered_bytes", got.requested_bytes)
     if ring:
         _read_ring(ring, chunk_size=chunk_size, depth=depth, direct=direct, gap=gap, counters=counters)
     return counters
