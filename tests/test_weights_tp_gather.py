@@ -79,26 +79,6 @@ def test_gather_lands_every_piece_and_counts_the_requests(tmp_path, use_aio):
                 d.rmdir()
 
 
-def test_gather_reads_holes_up_to_the_merge_gap_through(tmp_path):
-    """Rows 6 KiB apart with a 8 KiB merge gap: the span is read through in a few requests; with a
-    4 KiB gap every row is its own request again."""
-    data = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)
-    f = tmp_path / "rows"
-    data.tofile(f)
-    rows = np.array([(999 + i * 8192, 2048, i * 2048) for i in range(120)], dtype=np.int64)
-    want = np.concatenate([data[o : o + n] for o, n, _ in rows.tolist()])
-    for gap, most in ((8192, 4), (4096, 120)):
-        evict(f)
-        dest = np.zeros(len(want), np.uint8)
-        got = gather(f, rows, dest, merge_gap=gap)
-        assert np.array_equal(dest, want)
-        span = int(rows[-1, 0] + rows[-1, 1] - rows[0, 0])
-        # merged: the span but the holes between requests (at most MERGED_BYTES each); apart: the rows only
-        skipped = (got.requests - 1) * 6144
-        assert got.requests <= most and (got.requested_bytes >= span - skipped if gap == 8192
-                                         else got.requested_bytes < span / 2)
-
-
 def test_gather_names_the_file_when_it_is_shorter_than_the_pieces(tmp_path):
     f = tmp_path / "short"
     np.zeros(5000, np.uint8).tofile(f)

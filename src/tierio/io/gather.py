@@ -42,7 +42,6 @@ MIN_BATCH = 8  # at least this many, unless the tensor has fewer
 GATHER_DEPTH = 32  # batches in flight: the device's queue wants tens of small reads (docs/weights.md)
 AIO_DEPTH = 128  # requests in flight through native AIO (128 tags in this disk's queue; deeper read no faster)
 AIO_SCRATCH_BYTES = 8 << 20  # scratch per group of AIO requests
-MERGED_BYTES = BATCH_BYTES // 2  # the most one request merged across holes reads
 SCRATCH_BUDGET = 64 << 20  # all scratch buffers of the process's gathers together
 RESIDENT = 0.5  # a span at least this much in the page cache is read buffered (a memcpy)
 
@@ -78,25 +77,15 @@ def split_long(pieces: np.ndarray, most: int) -> np.ndarray:
     return np.array(rows, dtype=np.int64)
 
 
-def requests(pieces: np.ndarray, block: int, gap: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def requests(pieces: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Requests for ``pieces`` (rows of file offset, length, ..., sorted by offset) widened to
     ``block``: (starts, ends, the last byte any piece needs + 1, the request of each piece).
-    Widened ranges that share a block merge into one request; with ``gap``, so do ranges at most
-    ``gap`` bytes apart, up to MERGED_BYTES per request (the holes are read through)."""
+    Widened ranges that share a block merge into one request."""
     lo = pieces[:, 0] // block * block
     end = pieces[:, 0] + pieces[:, 1]
     hi = -(-end // block) * block
     new = np.ones(len(pieces), dtype=bool)
-    if gap <= 0:
-        new[1:] = lo[1:] >= np.maximum.accumulate(hi)[:-1]
-    else:
-        start, top = 0, 0
-        for i, (a, b) in enumerate(zip(lo.tolist(), hi.tolist())):
-            if i and (a < top or (a - top <= gap and b - start <= MERGED_BYTES)):
-                new[i] = False
-            else:
-                start = a
-            top = max(top, b)
+    new[1:] = lo[1:] >= np.maximum.accumulate(hi)[:-1]
     first = np.flatnonzero(new)
     return lo[new], np.maximum.reduceat(hi, first), np.maximum.reduceat(end, first), np.cumsum(new) - 1
 
@@ -137,9 +126,9 @@ def _copy_out(scratch: np.ndarray, src: np.ndarray, dst: np.ndarray, length: np.
 
 
 def _gather(fd: int, where: str, pieces: np.ndarray, dest: np.ndarray, block: int, direct: bool,
-            depth: int, use_aio: bool, gap: int) -> Gathered:
-    pieces = split_long(pieces, MERGED_BYTES)
-    starts, ends, needs, which = requests(pieces, block, gap)
+            depth: int, use_aio: bool) -> Gathered:
+    pieces = split_long(pieces, BATCH_BYTES // 2)
+    starts, ends, needs, which = requests(pieces, block)
     sizes = ends - starts
     pool = shared_pool("gather", SCRATCH_BUDGET)
 
@@ -231,11 +220,10 @@ def _read(fd: int, view: memoryview, offset: int, need: int, where: str, may_be_
 
 
 def gather(path: str | Path, pieces: np.ndarray, dest: np.ndarray, *, where: str | None = None, direct: bool = True,
-           depth: int = GATHER_DEPTH, use_aio: bool = True, merge_gap: int = 0) -> Gathered:
+           depth: int = GATHER_DEPTH, use_aio: bool = True) -> Gathered:
     """Copy every piece (rows of file offset, length, offset in ``dest``; sorted by file offset) of
     the file ``path`` into the uint8 array ``dest``. ``use_aio``: O_DIRECT requests through native
-    AIO where available (else ``depth`` threads); ``merge_gap``: holes up to this many bytes are
-    read through (0: exactly the pieces)."""
+    AIO where available (else ``depth`` threads)."""
     where = where or str(path)
     if not len(pieces):
         return Gathered(0, 0, False)
@@ -247,12 +235,12 @@ def gather(path: str | Path, pieces: np.ndarray, dest: np.ndarray, *, where: str
     try:
         if is_direct:
             try:
-                return _gather(fd, where, pieces, dest, logical_block(fd), True, depth, use_aio, merge_gap)
+                return _gather(fd, where, pieces, dest, logical_block(fd), True, depth, use_aio)
             except _Unaligned:  # the file system wants more than the device's logical block
-                return _gather(fd, where, pieces, dest, ALIGN, True, depth, use_aio, merge_gap)
+                return _gather(fd, where, pieces, dest, ALIGN, True, depth, use_aio)
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # this descriptor only: no readahead into the holes
-        return _gather(fd, where, pieces, dest, 1, False, depth, False, merge_gap)
+        return _gather(fd, where, pieces, dest, 1, False, depth, False)
     finally:
         os.close(fd)
 

@@ -6,12 +6,12 @@ A rank's part of a tensor (``tp.Take``) is one of two shapes in the file:
   (a narrower ``TensorEntry``), so it keeps every path of the loader: mapped views, private
   arenas, the GPU ring, streaming into ``load_into``'s targets;
 * **strided** (a dim-1 slice, or a fused tensor's several ranges): one piece per row. A slice
-  whose holes are at most ``gap`` bytes is read whole (one larger read plus a copy), one with
-  larger holes by pieces. Local files go through ``io.gather`` either way (requests widened to the
-  device's logical block, holes up to the gap read through, only the slice copied out); remote
-  slices read whole are cut from the whole tensor, the others go by pieces through the staging
-  ring. ``gap`` = 0 reads exactly the slice. The default per source kind is a request's cost in
-  bytes of transfer, measured (docs/weights.md, "tensor parallel").
+  whose holes are at most ``gap`` bytes is read whole and cut (one larger read plus a copy: by
+  ``load`` with the other entries, by ``load_into`` through the staging ring); one with larger
+  holes is read by pieces: from a local file exactly (``io.gather``, widened to the device's
+  logical block), from a remote store merged across holes up to the gap through the staging ring.
+  ``gap`` = 0 reads exactly the slice. The default per source kind is a request's cost in bytes
+  of transfer, measured (docs/weights.md, "tensor parallel").
 """
 
 from __future__ import annotations
@@ -116,9 +116,9 @@ class SlicePlan:
 
 
 def split(src: ModelSource, spec: TensorParallel, names: Iterable[str], gap: int | None = None) -> SlicePlan:
-    """The tensors ``names`` for ``spec``'s rank. A strided slice of a local file is read by
-    ``read_strided`` (whole or by pieces, as its holes say); a remote one whose pieces lie at most
-    ``gap`` apart is read whole with the other entries and cut after, one with larger holes by pieces."""
+    """The tensors ``names`` for ``spec``'s rank. A strided slice whose pieces lie at most ``gap``
+    apart is read whole with the other entries and cut after (one larger read plus a copy);
+    one with larger holes is read by pieces."""
     table = src.tensors()
     selected: dict[int, list[tuple[str, TensorEntry]]] = {}
     shards: dict[int, Shard] = {}
@@ -129,7 +129,7 @@ def split(src: ModelSource, spec: TensorParallel, names: Iterable[str], gap: int
         shard, e = table[name]
         take = spec.take(name, e.shape)
         if take is not None and not take.contiguous(e.shape):
-            if shard.path is not None or smallest_hole(e, take) > (default_gap(shard) if gap is None else gap):
+            if smallest_hole(e, take) > (default_gap(shard) if gap is None else gap):
                 out.strided.append(Strided(name, shard, e, take))
                 continue
             out.cuts[name], take = take, None
@@ -147,24 +147,22 @@ def cut(t: torch.Tensor, take: Take) -> torch.Tensor:
 
 def read_strided(items: list[Strided], *, chunk_size: int, depth: int, direct: bool, gap: int | None = None) -> Counters:
     """Fill every item's ``dest`` (allocated here when None) with its slice; the bytes asked of the
-    source (widened to its blocks, holes read through included). Slices of local files are read by
-    ``io.gather``: exactly when their holes exceed the gap, else whole (holes read through) with
-    only the slice copied out; remote ones go through the staging ring, pieces merged across holes
-    up to the gap."""
+    source (widened to its blocks, holes read through included). A slice of a local file whose
+    holes exceed the gap is read exactly by ``io.gather``; the others go through the staging ring,
+    their pieces merged across holes up to the gap."""
     counters = Counters()
     ring: list[Strided] = []
     exact: list[Strided] = []
     for it in items:
         if it.dest is None:
             it.dest = torch.empty(it.take.shape(it.entry.shape), dtype=torch_dtype(it.entry.dtype))
-        (ring if it.shard.path is None else exact).append(it)
+        g = default_gap(it.shard) if gap is None else gap
+        (ring if it.shard.path is None or smallest_hole(it.entry, it.take) <= g else exact).append(it)
 
     def one(it: Strided) -> Gathered:
         assert it.shard.path is not None and it.dest is not None
-        g = default_gap(it.shard) if gap is None else gap
-        # holes up to the gap are read through (the tensor whole, in requests of MERGED_BYTES), longer ones skipped
         return gather(it.shard.path, it.pieces(), it.dest.reshape(-1).view(torch.uint8).numpy(), where=it.shard.where,
-                      direct=direct, merge_gap=g if smallest_hole(it.entry, it.take) <= g else 0)
+                      direct=direct)
 
     # a few tensors at once: one's setup and copy-out overlap another's reads
     for got in run_windows(exact, one, EXACT_TENSORS):
