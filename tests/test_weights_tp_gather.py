@@ -4,6 +4,7 @@ counted are the requests as asked; a tensor-parallel rank read exactly equals th
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -116,3 +117,29 @@ def test_a_rank_read_exactly_equals_the_whole_model_cut(tmp_path):
             if d != tmp_path:
                 (d / "m.safetensors").unlink()
                 d.rmdir()
+
+
+def test_native_aio_reads_pieces_and_reports_a_misaligned_one_as_its_own_error(tmp_path):
+    """io.aio: aligned O_DIRECT reads land where asked; one off the block grid fails alone with
+    -EINVAL (what io.gather takes as the file system wanting 4 KiB), the others still land."""
+    from tierio.io import aio
+    from tierio.io.buffers import HostBuffer, address_of
+
+    if not aio.available():
+        pytest.skip("no native AIO on this machine")
+    data = np.random.default_rng(2).integers(0, 256, 1 << 16, dtype=np.uint8)
+    f = tmp_path / "aio"
+    data.tofile(f)
+    try:
+        fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        pytest.skip("this file system refuses O_DIRECT")
+    try:
+        buf = HostBuffer(3 * 4096, pin=False)
+        base = address_of(buf.array)
+        offsets = np.array([0, 8192, 4096 + 3], dtype=np.int64)
+        got = aio.thread_context(8).read(fd, offsets, np.full(3, 4096), base + np.arange(3, dtype=np.uint64) * 4096)
+    finally:
+        os.close(fd)
+    assert got.tolist()[:2] == [4096, 4096] and got[2] == -errno.EINVAL
+    assert np.array_equal(buf.array[:4096], data[:4096]) and np.array_equal(buf.array[4096:8192], data[8192:12288])
