@@ -9,7 +9,8 @@ shards, with its config.json, so the rules come from the preset as for any real 
   default gap between a strided slice's pieces, with gap 0 (exactly the slices), and from a
   pre-sharded copy;
 * time, rank 1, interleaved rounds (bench.common.alternate), cold: loading the whole model and
-  slicing it, against the sliced load, and against the pre-sharded load.
+  slicing it, against the sliced load (default gap, and gap 0: exactly the slices), and against
+  the pre-sharded load.
 """
 
 from __future__ import annotations
@@ -113,10 +114,12 @@ def run_tp(work: Path, size: int, rounds: int) -> tuple[dict, dict[str, float], 
 
         sides = {"full_then_slice": timed(lambda: _full_then_slice(model, spec)),
                  "sliced": timed(lambda: load(model, shard=spec)),
+                 "sliced_exact": timed(lambda: load(model, shard=spec, slice_gap_bytes=0)),
                  "presharded": timed(lambda: load(pre, shard=TensorParallel(1, TP)))}
         secs = alternate(sides, max(1, rounds), before=lambda: drop_caches([work]))
         res["seconds"] = secs
         ratios["tp_load_vs_full_then_slice"] = min(secs["full_then_slice"]) / min(secs["sliced"])
+        extra["tp_exact_load_vs_full_then_slice"] = min(secs["full_then_slice"]) / min(secs["sliced_exact"])
         extra["tp_presharded_vs_full_then_slice"] = min(secs["full_then_slice"]) / min(secs["presharded"])
         return res, ratios, extra
     finally:

@@ -132,17 +132,25 @@ def evict(path: str | Path) -> None:
 DEFAULT_READAHEAD = 128 << 10  # the kernel's default readahead, when the device's cannot be read
 
 
+def queue_value(dev: int, name: str) -> int | None:
+    """An integer of block device ``dev``'s /sys queue directory (a whole disk, or the disk of a
+    partition); None where there is none (network and virtual filesystems)."""
+    base = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    for queue in (base / "queue", base / ".." / "queue"):
+        try:
+            return int((queue / name).read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 @lru_cache(maxsize=64)
 def _device_readahead(dev: int) -> int:
     """The most one readahead request of block device ``dev`` may read: max(read_ahead_kb, max_sectors_kb)."""
-    base = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
-    for queue in (base / "queue", base / ".." / "queue"):  # a whole disk, or the disk of a partition
-        try:
-            kb = [int((queue / f).read_text()) for f in ("read_ahead_kb", "max_sectors_kb")]
-        except (OSError, ValueError):
-            continue
-        return max(kb) << 10 or DEFAULT_READAHEAD
-    return DEFAULT_READAHEAD
+    kb = [queue_value(dev, f) for f in ("read_ahead_kb", "max_sectors_kb")]
+    if None in kb:
+        return DEFAULT_READAHEAD
+    return max(k for k in kb if k is not None) << 10 or DEFAULT_READAHEAD
 
 
 def prefetch(fd: int, offset: int, length: int) -> None:

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from tierio import events
 from tierio.errors import ConfigError, NotFoundError
 from tierio.format.safetensors import TensorEntry, torch_dtype
 from tierio.io import gds
+from tierio.io.engine import submit
 from tierio.io.numa import placement
 from tierio.weights import engine, presharded, sliced
 from tierio.weights.engine import Counters, Extent, Hook, Progress
@@ -240,12 +242,20 @@ def _load_sliced(src: ModelSource, opts: ReadSpec, stats: LoadStats) -> dict[str
     # the slices' holes are read through by the same measured gap as a strided slice's
     gap = opts.slice_gap if opts.slice_gap is not None else sliced.default_gap(src.shards[0])
     whole = ReadSpec(**{**vars(opts), "dtype": None, "keys": None, "shard": None, "merge_gap": gap})
-    out = dict(_read_plan(plan_reads(src, whole, how.selected), src, whole, stats)) if how.selected else {}
+    # The strided slices' small reads wait on the device's latency, the contiguous ones on its
+    # bandwidth: both run at once (on the shared pool, whose nested waits cannot deadlock).
+    strided = submit(partial(sliced.read_strided, how.strided, chunk_size=opts.chunk_size, depth=opts.depth,
+                             direct=opts.direct, gap=opts.slice_gap)) if how.strided else None
+    try:
+        out = dict(_read_plan(plan_reads(src, whole, how.selected), src, whole, stats)) if how.selected else {}
+    except BaseException:
+        if strided is not None:
+            strided.settle()
+        raise
     for name, take in how.cuts.items():
         out[name] = sliced.cut(out[name], take)
-    if how.strided:
-        counters = sliced.read_strided(how.strided, chunk_size=opts.chunk_size, depth=opts.depth, direct=opts.direct,
-                                       gap=opts.slice_gap)
+    if strided is not None:
+        counters = strided.result()
         sliced.assemble(out, how.strided, opts.device)
         stats.add_read(counters, files=0)
         stats.tensors += len(how.strided)

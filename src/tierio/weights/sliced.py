@@ -5,11 +5,13 @@ A rank's part of a tensor (``tp.Take``) is one of two shapes in the file:
 * **contiguous** (a dim-0 slice): one byte range, loaded like a whole tensor of the slice's shape
   (a narrower ``TensorEntry``), so it keeps every path of the loader: mapped views, private
   arenas, the GPU ring, streaming into ``load_into``'s targets;
-* **strided** (a dim-1 slice, or a fused tensor's several ranges): one piece per row. The pieces
-  are merged into reads wherever the hole between two is at most ``gap`` bytes, and each read's
-  windows go through the staging ring, the pieces copied out into one contiguous tensor.
-  ``gap`` = 0 is many small reads of exactly the slice; a large gap is one read of the whole
-  tensor plus a copy. The default per source kind is measured (docs/weights.md, "tensor parallel").
+* **strided** (a dim-1 slice, or a fused tensor's several ranges): one piece per row. A slice
+  whose holes are at most ``gap`` bytes is read whole and cut (one larger read plus a copy: by
+  ``load`` with the other entries, by ``load_into`` through the staging ring); one with larger
+  holes is read by pieces: from a local file exactly (``io.gather``, widened to the device's
+  logical block), from a remote store merged across holes up to the gap through the staging ring.
+  ``gap`` = 0 reads exactly the slice. The default per source kind is a request's cost in bytes
+  of transfer, measured (docs/weights.md, "tensor parallel").
 """
 
 from __future__ import annotations
@@ -23,18 +25,23 @@ import torch
 
 from tierio.errors import ConfigError, NotFoundError
 from tierio.format.safetensors import TensorEntry, itemsize, torch_dtype
-from tierio.io.engine import ByteRange, Windowing, plan
+from tierio.io.engine import ByteRange, Windowing, plan, run_windows
+from tierio.io.gather import Gathered, gather
 from tierio.io.untrusted import loads
 from tierio.weights import engine
 from tierio.weights.engine import Counters, Extent
 from tierio.weights.sources import ModelSource, Shard, read_small_file
 from tierio.weights.tp import Take, TensorParallel, preset
 
-# Holes between a strided slice's row pieces read through rather than skipped: measured
-# (docs/weights.md): on local files a request costs about as much as this many bytes of transfer;
-# on a remote store a ranged GET costs milliseconds, so rows are read whole unless very long.
-LOCAL_GAP = 128 << 10
+# Holes between a strided slice's row pieces read through rather than skipped: a hole costs its
+# bytes of transfer, a piece read exactly costs a request, so the gap is a request's cost in bytes.
+# Measured (docs/weights.md, "tensor parallel"): on local files a piece read by io.gather costs
+# 9-22 us, 7-50 KiB at the bandwidth the disk streamed meanwhile, and inside a whole rank's load
+# exact pieces 21 KiB apart still lost to reading them through; on a remote store a ranged GET
+# costs milliseconds, so rows are read whole unless very long.
+LOCAL_GAP = 32 << 10
 REMOTE_GAP = 4 << 20
+EXACT_TENSORS = 2  # local strided slices read at once (4 was no faster)
 CONFIG_LIMIT = 4 << 20
 
 
@@ -139,12 +146,41 @@ def cut(t: torch.Tensor, take: Take) -> torch.Tensor:
 
 
 def read_strided(items: list[Strided], *, chunk_size: int, depth: int, direct: bool, gap: int | None = None) -> Counters:
-    """Fill every item's ``dest`` (allocated here when None) with its slice; the bytes read."""
-    extents: list[Extent] = []
-    members: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # id(extent) -> (its pieces, the dest bytes)
+    """Fill every item's ``dest`` (allocated here when None) with its slice; the bytes asked of the
+    source (widened to its blocks, holes read through included). A slice of a local file whose
+    holes exceed the gap is read exactly by ``io.gather``; the others go through the staging ring,
+    their pieces merged across holes up to the gap."""
+    counters = Counters()
+    ring: list[Strided] = []
+    exact: list[Strided] = []
     for it in items:
         if it.dest is None:
             it.dest = torch.empty(it.take.shape(it.entry.shape), dtype=torch_dtype(it.entry.dtype))
+        g = default_gap(it.shard) if gap is None else gap
+        (ring if it.shard.path is None or smallest_hole(it.entry, it.take) <= g else exact).append(it)
+
+    def one(it: Strided) -> Gathered:
+        assert it.shard.path is not None and it.dest is not None
+        return gather(it.shard.path, it.pieces(), it.dest.reshape(-1).view(torch.uint8).numpy(), where=it.shard.where,
+                      direct=direct)
+
+    # a few tensors at once: one's setup and copy-out overlap another's reads
+    for got in run_windows(exact, one, EXACT_TENSORS):
+        counters.total += got.requested_bytes
+        counters.add("direct_bytes" if got.direct else "buffered_bytes", got.requested_bytes)
+    if ring:
+        _read_ring(ring, chunk_size=chunk_size, depth=depth, direct=direct, gap=gap, counters=counters)
+    return counters
+
+
+def _read_ring(items: list[Strided], *, chunk_size: int, depth: int, direct: bool, gap: int | None,
+               counters: Counters) -> None:
+    """The slices through the staging ring: pieces merged across holes up to the gap, each window's
+    pieces copied out."""
+    extents: list[Extent] = []
+    members: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # id(extent) -> (its pieces, the dest bytes)
+    for it in items:
+        assert it.dest is not None
         p = it.pieces()
         g = default_gap(it.shard) if gap is None else gap
         dest = it.dest.reshape(-1).view(torch.uint8).numpy()
@@ -166,9 +202,8 @@ def read_strided(items: list[Strided], *, chunk_size: int, depth: int, direct: b
             if lo < hi:
                 dest[at + lo - off : at + hi - off] = win[lo - lo_w : hi - lo_w]
 
-    counters = Counters(total=sum(x.end - x.start for x in extents))
+    counters.total += sum(x.end - x.start for x in extents)
     engine.read_through_ring(extents, sink, chunk_size=chunk_size, depth=depth, direct=direct, counters=counters)
-    return counters
 
 
 def targets(src: ModelSource, spec: TensorParallel, dests: dict[str, torch.Tensor]
