@@ -16,8 +16,10 @@ stopped.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -27,15 +29,18 @@ import torch
 from tierio.errors import GroupError
 from tierio.format.safetensors import TensorEntry, torch_dtype
 from tierio.io.checksum import xxh3_int
-from tierio.io.engine import settle_all, submit
-from tierio.weights.engine import Counters, ShardReader
-from tierio.weights.loader import Timer
+from tierio.dist import node_key
+from tierio.io.engine import drain, settle_all, submit
+from tierio.weights.engine import DEFAULT_DEPTH, Counters, ShardReader
+from tierio.weights.loader import Timer, _view
+from tierio.weights.node_share import SharedStream, share
 from tierio.weights.options import LoadOptions
 from tierio.weights.sliced import cut, with_rules
 from tierio.weights.sources import ModelSource, Shard, resolve
 from tierio.weights.stats import LoadStats
 from tierio.weights.tp import Take, TensorParallel
 
+log = logging.getLogger(__name__)
 STAMP_S = 0.5  # how often a rank stamps its key; a rank whose stamp stands still for 4 of these is gone
 
 
@@ -128,15 +133,36 @@ class Liveness:
         self._thread.join(timeout=2 * STAMP_S)
 
 
-def _group(group: Any) -> tuple[Any, Any, str]:
-    """(the group, the store, a key prefix for this load agreed by every rank)."""
+@dataclass(frozen=True)
+class Nodes:
+    """The group's ranks by node: ``of[r]`` is rank r's node, ``ranks[m]`` node m's ranks (ascending)."""
+
+    of: list[int]
+    ranks: list[list[int]]
+
+    @classmethod
+    def from_keys(cls, keys: list[str]) -> Nodes:
+        index: dict[str, int] = {}
+        of = [index.setdefault(k, len(index)) for k in keys]
+        return cls(of, [[r for r, m in enumerate(of) if m == n] for n in range(len(index))])
+
+    def receiver(self, sender: int, node: int) -> int:
+        """The rank of ``node`` that receives ``sender``'s parts from across nodes: the one with the
+        sender's local index, wrapped around when ``node`` has fewer ranks."""
+        peers = self.ranks[node]
+        return peers[self.ranks[self.of[sender]].index(sender) % len(peers)]
+
+
+def _agree(group: Any) -> tuple[Any, Any, str, Nodes]:
+    """(the group, the store, a token naming this load agreed by every rank, the ranks by node)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
     group = group if group is not None else dist.group.WORLD
-    tag = torch.tensor([time.time_ns() & ((1 << 62) - 1)])
-    dist.broadcast(tag, dist.get_global_rank(group, 0), group=group)
-    return group, distributed_c10d._get_default_store(), f"tierio/weights-group/{int(tag)}"
+    got: list[Any] = [None] * dist.get_world_size(group)
+    mine = uuid.uuid4().hex if dist.get_rank(group) == 0 else ""
+    dist.all_gather_object(got, (mine, node_key()), group=group)
+    return group, distributed_c10d._get_default_store(), got[0][0], Nodes.from_keys([k for _, k in got])
 
 
 def load_group(source: str | Any, group: Any = None, shard: TensorParallel | None = None, keys: list[str] | None = None,
@@ -153,19 +179,33 @@ def load_group(source: str | Any, group: Any = None, shard: TensorParallel | Non
     with Timer(stats):
         src = source if isinstance(source, ModelSource) else resolve(source)
         spec = with_rules(shard, src) if shard is not None else None
-        sub, store, prefix = _group(group)
+        try:
+            sub, store, token, nodes = _agree(group)
+        except RuntimeError as exc:
+            raise _lost(src.url, dist.get_rank(), [], exc) from None
         rank, size = dist.get_rank(sub), dist.get_world_size(sub)
-        live = Liveness(store, prefix, rank, size)
+        live = Liveness(store, f"tierio/weights-group/{token}", rank, size)
         counters = Counters(progress=o.progress)
         stream = Stream(src, counters)
+        shared: SharedStream | None = None
         try:
-            out = _exchange(stream, _wanted(src, stream, spec, keys), sub, rank, size, int(o.chunk_bytes), stats)
+            wanted = _wanted(src, stream, spec, keys)
+            why = "every rank is alone on its node" if max(map(len, nodes.ranks)) < 2 else ""
+            if not why and stream.size:
+                shared, why = share(stream.size, token, nodes.ranks[nodes.of[rank]][0], rank, sub)
+                if shared is None:
+                    log.warning("cooperative load of %s exchanges over the group only: no node-local memory (%s)", src.url, why)
+            if shared is not None:
+                out = _node_exchange(stream, shared, wanted, sub, rank, nodes, int(o.chunk_bytes), o.mapped, stats)
+                stats.extra["group_exchange"] = f"node-local memory, {len(nodes.ranks)} node(s)"
+            else:
+                out = _exchange(stream, wanted, sub, rank, size, int(o.chunk_bytes), stats)
+                stats.extra["group_exchange"] = f"group ({why})" if why else "group"
         except RuntimeError as exc:
-            gone = live.gone()
-            who = f"rank(s) {gone} of the group" if gone else "a rank of the group"
-            raise GroupError(f"cooperative load of {src.url} failed on rank {rank}: {who} stopped answering ({str(exc)[:200]}); "
-                             "restart the load without it, or load independently with weights.load") from None
+            raise _lost(src.url, rank, live.gone(), exc) from None
         finally:
+            if shared is not None:
+                shared.close()
             stream.close()
             live.close()
         stats.source, stats.method, stats.device = src.url, "group", "cpu"
@@ -175,6 +215,98 @@ def load_group(source: str | Any, group: Any = None, shard: TensorParallel | Non
         stats.extra["group"] = f"rank {rank} of {size}"
         if spec is not None:
             stats.extra["tp"] = f"rank {spec.rank} of {spec.size}"
+    return out
+
+
+def _lost(url: str, rank: int, gone: list[int], exc: Exception) -> GroupError:
+    who = f"rank(s) {gone} of the group" if gone else "a rank of the group"
+    return GroupError(f"cooperative load of {url} failed on rank {rank}: {who} stopped answering ({str(exc)[:200]}); "
+                      "restart the load without it, or load independently with weights.load")
+
+
+def _windows(size: int, chunk: int, ranks: int) -> list[int]:
+    return list(range(0, size, chunk * ranks))
+
+
+def _part(w0: int, r: int, chunk: int, size: int) -> tuple[int, int]:
+    """Stream bytes [lo, hi) of rank r's part of the window starting at ``w0``."""
+    lo = min(w0 + r * chunk, size)
+    return lo, min(lo + chunk, size)
+
+
+def _node_exchange(stream: Stream, shared: SharedStream, wanted: list[Wanted], group: Any, rank: int, nodes: Nodes,
+                   chunk: int, mapped: bool, stats: LoadStats) -> dict[str, torch.Tensor]:
+    """Read this rank's parts into the node's memory file (the next while this one crosses to the
+    other nodes), gather every part's checksum, verify each part in a private mapping (re-reading
+    a damaged one from the source), keep."""
+    import torch.distributed as dist
+
+    size, n = stream.size, len(nodes.of)
+    starts = _windows(size, chunk, n)
+    buf = shared.bytes
+    assert buf is not None
+    sums = torch.zeros(len(starts), 2, dtype=torch.int64)
+    here = nodes.of[rank]
+    others = [m for m in range(len(nodes.ranks)) if m != here]
+    # the parts this rank receives from across nodes: (sender, node-local receiver is this rank)
+    senders = [q for q in range(n) if nodes.of[q] != here and nodes.receiver(q, here) == rank]
+
+    def read(k: int) -> None:
+        lo, hi = _part(starts[k], rank, chunk, size)
+        stream.read(lo, hi, buf[lo:hi])
+        sums[k] = torch.tensor([hi - lo, _signed(xxh3_int(memoryview(buf[lo:hi].numpy())))])
+
+    pending = submit(partial(read, 0)) if starts else None
+    try:
+        for k, w0 in enumerate(starts):
+            assert pending is not None
+            pending.result()
+            pending = submit(partial(read, k + 1)) if k + 1 < len(starts) else None
+            works = []
+            lo, hi = _part(w0, rank, chunk, size)
+            if hi > lo:
+                for m in others:
+                    works.append(dist.isend(buf[lo:hi], dist.get_global_rank(group, nodes.receiver(rank, m)), group=group))
+            for q in senders:
+                a, b = _part(w0, q, chunk, size)
+                if b > a:
+                    works.append(dist.irecv(buf[a:b], dist.get_global_rank(group, q), group=group))
+            for w in works:
+                w.wait()
+    finally:
+        if pending is not None:
+            settle_all([pending])
+    every = [torch.zeros_like(sums) for _ in range(n)]
+    dist.all_gather(every, sums, group=group)  # also the barrier: every part of every node is in
+    mine = shared.private()
+    base = mine.tensor()
+    spans = [(_part(w0, r, chunk, size), int(every[r][k][1])) for k, w0 in enumerate(starts) for r in range(n)]
+    bad: list[tuple[int, int]] = []
+
+    def verify(i: int) -> None:
+        (lo, hi), want = spans[i]
+        mine.populate(lo, hi - lo)
+        if hi > lo and _signed(xxh3_int(mine.view[lo:hi])) != want:
+            bad.append((lo, hi))
+
+    drain(range(len(spans)), verify, DEFAULT_DEPTH)
+    for lo, hi in sorted(bad):  # damaged in the node's file: read here, into this rank's own pages
+        stream.read(lo, hi, base[lo:hi])
+        stats.extra["parts_read_again"] = stats.extra.get("parts_read_again", 0) + 1
+    out: dict[str, torch.Tensor] = {}
+    for w in wanted:
+        if w.name in out:
+            continue
+        if not w.entry.nbytes:
+            _finish(w, out)
+            continue
+        t = _view(base, w.start, w.entry, stats)
+        if w.take is not None:
+            t = cut(t, w.take)
+            t = t.clone() if t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() else t
+        elif not mapped:
+            t = t.clone()
+        out[w.name] = t
     return out
 
 
