@@ -192,7 +192,8 @@ def load_group(source: str | Any, group: Any = None, shard: TensorParallel | Non
             wanted = _wanted(src, stream, spec, keys)
             why = "every rank is alone on its node" if max(map(len, nodes.ranks)) < 2 else ""
             if not why and stream.size:
-                shared, why = share(stream.size, token, nodes.ranks[nodes.of[rank]][0], rank, sub)
+                shared, why = share(stream.size, token, nodes.ranks[nodes.of[rank]][0], rank, sub,
+                                    _writes(stream.size, int(o.chunk_bytes), rank, nodes))
                 if shared is None:
                     log.warning("cooperative load of %s exchanges over the group only: no node-local memory (%s)", src.url, why)
             if shared is not None:
@@ -234,6 +235,14 @@ def _part(w0: int, r: int, chunk: int, size: int) -> tuple[int, int]:
     return lo, min(lo + chunk, size)
 
 
+def _writes(size: int, chunk: int, rank: int, nodes: Nodes) -> list[tuple[int, int]]:
+    """The stream ranges this rank fills in its node's file: its own parts and those it receives
+    from across nodes."""
+    here = nodes.of[rank]
+    senders = [rank] + [q for q in range(len(nodes.of)) if nodes.of[q] != here and nodes.receiver(q, here) == rank]
+    return [_part(w0, q, chunk, size) for w0 in _windows(size, chunk, len(nodes.of)) for q in senders]
+
+
 def _node_exchange(stream: Stream, shared: SharedStream, wanted: list[Wanted], group: Any, rank: int, nodes: Nodes,
                    chunk: int, mapped: bool, stats: LoadStats) -> dict[str, torch.Tensor]:
     """Read this rank's parts into the node's memory file (the next while this one crosses to the
@@ -253,6 +262,7 @@ def _node_exchange(stream: Stream, shared: SharedStream, wanted: list[Wanted], g
 
     def read(k: int) -> None:
         lo, hi = _part(starts[k], rank, chunk, size)
+        shared.writable(lo, hi)
         stream.read(lo, hi, buf[lo:hi])
         sums[k] = torch.tensor([hi - lo, _signed(xxh3_int(memoryview(buf[lo:hi].numpy())))])
 
@@ -270,6 +280,7 @@ def _node_exchange(stream: Stream, shared: SharedStream, wanted: list[Wanted], g
             for q in senders:
                 a, b = _part(w0, q, chunk, size)
                 if b > a:
+                    shared.writable(a, b)
                     works.append(dist.irecv(buf[a:b], dist.get_global_rank(group, q), group=group))
             for w in works:
                 w.wait()
