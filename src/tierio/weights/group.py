@@ -2,11 +2,21 @@
 
 The model's tensor bytes, shard after shard, form one stream cut into windows of N parts
 (``chunk_bytes`` each, N = the group's size). Rank r reads part r of every window from the source
-(S3 or a shared filesystem) and checksums it (xxh3); the parts and their checksums are exchanged
-with ``all_gather`` (gloo on CPU); every rank checks every part it received against its sender's
-checksum, reads a part that fails again from the source itself, and copies out of the window what
-it keeps: whole tensors, or with ``shard=`` its tensor-parallel slices (cut when a tensor is
-complete, so at most a window and the tensors crossing it are held beyond what is kept).
+(S3 or a shared filesystem) and checksums it (xxh3). How the parts reach the other ranks:
+
+* Ranks of one node (``tierio.dist.node_key``: ``TIERIO_NODE``, else host, boot id and pid
+  namespace) share one memory file (``node_share``): each rank reads its parts straight into it,
+  parts cross to each other node once, point to point (to the rank there with the sender's local
+  index, wrapped around when that node has fewer ranks), and only the checksums are gathered over
+  the group. Then every rank maps the file copy-on-write, checks every part against its sender's
+  checksum (reading one that fails again from the source into its own pages) and keeps views of the
+  mapping (one copy of the model in the node's memory, whatever the number of ranks), or with
+  ``mapped=False`` or ``shard=`` (its tensor-parallel slices) copies of its own. On a 2-core VM the
+  loopback sockets cost about as much CPU per byte as the S3 GETs; memory costs a page mapping.
+* Where a node cannot make that file (too little memory, no memfd) or every rank is alone on its
+  node: the parts and checksums are exchanged with ``all_gather`` (gloo on CPU), every rank checks
+  what it received and re-reads a failed part, and copies out of the window what it keeps (cut when
+  a tensor is complete, so at most a window and the tensors crossing it are held beyond it).
 
 A rank that dies breaks its connections at once; one that stops answering is given up after the
 process group's timeout (``init_process_group(timeout=...)``). Every rank stamps a key of the
@@ -168,10 +178,12 @@ def _agree(group: Any) -> tuple[Any, Any, str, Nodes]:
 def load_group(source: str | Any, group: Any = None, shard: TensorParallel | None = None, keys: list[str] | None = None,
                options: LoadOptions | None = None, **overrides: Any) -> dict[str, torch.Tensor]:
     """Load ``source`` on every rank of ``group`` (default: the world) reading each byte from the
-    source once between them; each rank keeps every tensor, or with ``shard=`` its slices.
+    source once between them; each rank keeps every tensor (``mapped``, the default: copy-on-write
+    views of its node's one copy; ``mapped=False``: its own copies), or with ``shard=`` its slices.
     Collective: every rank of the group calls it. ``options`` as for :func:`load` (``chunk_bytes``
     per rank per window); the group's timeout bounds every wait; ``stats.remote_bytes`` (or
-    ``buffered_bytes``) counts what this rank read from the source."""
+    ``buffered_bytes``) counts what this rank read from the source; ``stats.extra["group_exchange"]``
+    says how the parts went round."""
     import torch.distributed as dist
 
     o = LoadOptions.resolve(options, overrides)
