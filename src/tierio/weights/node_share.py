@@ -127,19 +127,24 @@ def share(size: int, token: str, leader: int, rank: int, group: Any,
     n = dist.get_world_size(group)
     shared: SharedStream | None = None
     said: Offer | str | None = None
-    if rank == leader:
-        shared, said = _create(size, token)
-    offers: list[Any] = [None] * n
-    dist.all_gather_object(offers, said, group=group)
-    offer = offers[leader]
-    why = offer if isinstance(offer, str) else ""
-    if rank != leader and isinstance(offer, Offer):
-        opened = _open(offer, size, token)
-        shared, why = (opened, "") if isinstance(opened, SharedStream) else (None, opened)
-    if shared is not None:
-        why = shared.reserve(writes)
-    whys: list[Any] = [None] * n
-    dist.all_gather_object(whys, why and f"rank {rank}: {why}", group=group)
+    try:
+        if rank == leader:
+            shared, said = _create(size, token)
+        offers: list[Any] = [None] * n
+        dist.all_gather_object(offers, said, group=group)
+        offer = offers[leader]
+        why = offer if isinstance(offer, str) else ""
+        if rank != leader and isinstance(offer, Offer):
+            opened = _open(offer, size, token)
+            shared, why = (opened, "") if isinstance(opened, SharedStream) else (None, opened)
+        if shared is not None:
+            why = shared.reserve(writes)
+        whys: list[Any] = [None] * n
+        dist.all_gather_object(whys, why and f"rank {rank}: {why}", group=group)
+    except BaseException:  # a rank lost on the way: no file stays open here
+        if shared is not None:
+            shared.close()
+        raise
     bad = [w for w in whys if w]
     if bad:
         if shared is not None:
