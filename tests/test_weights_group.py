@@ -13,6 +13,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
 from test_weights_tp import _model
 from tierio.weights import TensorParallel, load
@@ -75,6 +76,10 @@ def _one_node_worker(rank: int, root: str, init: str) -> None:
         dist.barrier()
         result["private_writes"] = rank == 0 or torch.equal(got[name], want[name])
         result["private_ok"] = _same(weights.load_group(d, chunk_bytes=CHUNK, mapped=False), want)
+        odd = os.path.join(root, "odd")  # a shard of odd size before a bf16 one: still views, no copies
+        st = weights.LoadStats()
+        result["odd_ok"] = _same(weights.load_group(odd, stats=st, chunk_bytes=CHUNK), load(odd))
+        result["odd_copied"] = st.copied_tensors
         spec = TensorParallel(rank % 2, 2)
         result["tp_ok"] = _same(weights.load_group(d, shard=spec, chunk_bytes=CHUNK), load(d, shard=spec))
 
@@ -107,12 +112,16 @@ def _one_node_worker(rank: int, root: str, init: str) -> None:
 
 def test_one_node_four_ranks_share_node_memory_keep_private_pages_and_reread_a_damaged_part(tmp_path):
     t = _model(tmp_path / "m")
+    (tmp_path / "odd").mkdir()
+    save_file({"a": torch.arange(3, dtype=torch.int8)}, str(tmp_path / "odd" / "model-00001-of-00002.safetensors"))
+    save_file({"b": torch.randn(100_000).to(torch.bfloat16)}, str(tmp_path / "odd" / "model-00002-of-00002.safetensors"))
     stream = sum(x.numel() * x.element_size() for x in t.values())
     assert _run(_one_node_worker, 4, tmp_path) == [0, 0, 0, 0]
     for r in range(4):
         res = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert "unexpected" not in res, res["unexpected"]
         assert res["exchange"] == "node-local memory, 1 node(s)"
+        assert res["odd_ok"] and res["odd_copied"] == 0
         assert res["whole_ok"] and res["private_writes"] and res["private_ok"] and res["tp_ok"]
         assert res["bytes"] <= stream / 4 + CHUNK  # its quarter of the windows, no more
         assert res["damaged_ok"] and res["read_again"] == 1, res  # every rank checks every part

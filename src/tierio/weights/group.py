@@ -38,6 +38,7 @@ import torch
 
 from tierio.errors import GroupError
 from tierio.format.safetensors import TensorEntry, torch_dtype
+from tierio.io.buffers import ALIGN
 from tierio.io.checksum import xxh3_int
 from tierio.dist import node_key
 from tierio.io.engine import drain, settle_all, submit
@@ -70,12 +71,17 @@ class Wanted:
 
 
 class Stream:
-    """The tensor bytes of every shard, one after another, read from the source by stream offset."""
+    """The tensor bytes of every shard, one after another, read from the source by stream offset.
+
+    Each shard's data section starts at a stream offset equal to its file offset modulo 4 KiB (the
+    gap before it is never read): a tensor aligned in its file is aligned in the stream, so views of
+    a mapping of the stream need no copy (after a shard of odd size, every tensor would)."""
 
     def __init__(self, src: ModelSource, counters: Counters) -> None:
         self.segments: list[tuple[int, Shard]] = []  # (stream offset of the shard's data section, shard)
         at = 0
         for s in src.shards:
+            at += (s.data_offset - at) % ALIGN
             self.segments.append((at, s))
             at += s.header.data_bytes  # type: ignore[union-attr]
         self.size = at
