@@ -1,7 +1,10 @@
-"""Who am I in the job: rank and world size, from arguments or from torch.distributed."""
+"""Who am I in the job: rank and world size, from arguments or from torch.distributed; which
+machine and node I run on."""
 
 from __future__ import annotations
 
+import os
+import socket
 from typing import Any
 
 from tierio.errors import ConfigError
@@ -25,3 +28,21 @@ def rank_world(rank: int | None = None, world_size: int | None = None, group: An
     if world_size < 1 or not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} is outside world size {world_size}")
     return rank, world_size
+
+
+def machine() -> str:
+    """This machine's boot and process namespace: two processes with the same value see each other's
+    pids (and open each other's descriptors through /proc). Empty where that cannot be known."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
+def node_key() -> str:
+    """Which node this process runs on, for sharing node-local memory: ``TIERIO_NODE`` when set (the
+    node name checkpoint tiers use too; several values on one machine simulate several nodes), else
+    the host name with :func:`machine`."""
+    return os.environ.get("TIERIO_NODE") or f"{socket.gethostname()}/{machine()}"

@@ -44,6 +44,7 @@ def weights(p: argparse.ArgumentParser) -> None:
                    "figures (default 1GiB; whole layers of a Llama-3-8B shape, so it ends up larger)")
     p.add_argument("--no-tp", action="store_true", help="skip the tensor-parallel figures")
     p.add_argument("--no-group", action="store_true", help="skip the cooperative load of 4 gloo ranks from SeaweedFS")
+    p.add_argument("--only", choices=["group"], help="run only this part: 'group', the cooperative load (its two ratios)")
     p.add_argument("--repeat", type=int, default=2,
                    help="rounds; every method (S3 ones too) runs once per round, interleaved, and keeps its best (default 2)")
 

@@ -125,6 +125,12 @@ def run(args) -> dict:
         nbytes = sum(f.stat().st_size for f in files)
         res: dict = {"bench": "weights", "model_bytes": nbytes, "shards": len(files), "dir": str(model)}
         os.sync()  # let writeback of the fresh model finish before anything is timed
+        if getattr(args, "only", None) == "group":
+            from tierio.bench.weights_group import run_group
+
+            res["group"], ratios = run_group(work / "group", model, args.repeat)
+            res["ratios"] = {k: round(v, 3) for k, v in ratios.items()}
+            return res
         from safetensors.torch import load_file
 
         def tierio_load():

@@ -2,8 +2,9 @@
 
 Each round (``bench.common.alternate`` order, page cache irrelevant: the bytes come over S3):
 every rank loads the whole model independently (4 × the model from the server), and the 4 ranks
-load it cooperatively (``weights.load_group``: each byte from the server once, exchanged over
-gloo). Rank 0 times both between barriers. Bytes from the server count the data GETs of every
+load it cooperatively (``weights.load_group``: each byte from the server once, shared through the
+node's memory, the ranks being on one node). Rank 0 times both between barriers; ``--only group``
+runs this part alone. Bytes from the server count the data GETs of every
 rank plus the header probes each rank's ``resolve`` makes.
 """
 

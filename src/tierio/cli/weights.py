@@ -271,7 +271,7 @@ def register(sub) -> None:
     q.add_argument("--rank", type=int, metavar="R", help="the tensor-parallel rank to load with --tp "
                    "(default 0; with --group, the process's rank modulo N)")
     q.add_argument("--group", action="store_true", help="under torchrun: a cooperative load, each rank reading a "
-                   "disjoint part from the source and exchanging it over the group (gloo)")
+                   "disjoint part from the source and sharing it with the others (node-local memory on a node, gloo across nodes)")
     common(q)
     q.set_defaults(handler=cmd_load)
 

@@ -50,6 +50,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
+from tierio.dist import machine
 from tierio.errors import ConfigError, FormatError, IntegrityError, LeaseError, NotFoundError, StorageError
 from tierio.io.untrusted import Fields, loads
 from tierio.storage.base import Store, read_small, where
@@ -110,17 +111,6 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
-def _node() -> str:
-    """This machine's boot and process namespace: two holders with the same value see each other's
-    pids. Empty where that cannot be known (then a holder's death is never assumed)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
-    except OSError:
-        return ""
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -153,7 +143,7 @@ class Holder:
     @staticmethod
     def mine(run: str, world_size: int) -> Holder:
         now = time.time()
-        return Holder(run, socket.gethostname(), _node(), os.getpid(), world_size, 0, "held", now, now)
+        return Holder(run, socket.gethostname(), machine(), os.getpid(), world_size, 0, "held", now, now)
 
     def encode(self) -> bytes:
         return json.dumps({"schema": SCHEMA, "version": 2, "run": self.run, "host": self.host, "node": self.node,
@@ -181,7 +171,7 @@ class Holder:
 
     def dead(self) -> bool:
         """Provably gone: on this node, in this process namespace, and its pid no longer exists."""
-        return bool(self.node) and self.node == _node() and not _alive(self.pid)
+        return bool(self.node) and self.node == machine() and not _alive(self.pid)
 
     def hint(self, now: float, timing: LeaseTiming) -> str | None:
         """Why this lease looks free to a person (never used to take it: see ``acquire``)."""
