@@ -24,7 +24,6 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -107,8 +106,7 @@ class S3Store(MultipartUploads):
                 response_checksum_validation="when_required",
             ),
         )
-        # per caller's priority (io.background): a promotion's uploads stay behind training
-        self._pools = background.Pools("tierio-s3", self.concurrency)
+        self._pools = background.Pools("tierio-s3", self.concurrency)  # by the caller's priority (io.background)
         self._local = threading.local()
         where = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self.url = where + (f"?endpoint={self.endpoint}" if self.endpoint else "")
@@ -278,7 +276,7 @@ class S3Store(MultipartUploads):
         if n <= self.part_size:
             self._get_range(full, offset, view, deadline)
         else:
-            run_all(self._pool, lambda s: self._get_range(full, offset + s, view[s : s + self.part_size], deadline),
+            run_all(self._pools.here(), lambda s: self._get_range(full, offset + s, view[s : s + self.part_size], deadline),
                     range(0, n, self.part_size), deadline)
         return n
 
@@ -308,7 +306,7 @@ class S3Store(MultipartUploads):
                 except OSError as exc:
                     raise os_error(exc, final, "writing") from exc
 
-            run_all(self._pool, fetch, range(0, size, self.part_size), deadline)
+            run_all(self._pools.here(), fetch, range(0, size, self.part_size), deadline)
             if direct and size % ALIGN:
                 os.ftruncate(fd, size)
             os.fsync(fd)
@@ -459,10 +457,6 @@ class S3Store(MultipartUploads):
 
     def capacity(self) -> tuple[int, int] | None:
         return None  # an object store has no size to fill
-
-    @property
-    def _pool(self) -> ThreadPoolExecutor:
-        return self._pools.here()
 
     def close(self) -> None:
         self._pools.shutdown(wait=True)

@@ -42,7 +42,7 @@ class MultipartUploads:
             return {"PartNumber": number, "ETag": field(r, "ETag", t)}
 
         try:
-            parts = run_all(self._pool, send, enumerate(range(0, total, self.part_size), 1), deadline)
+            parts = run_all(self._pools.here(), send, enumerate(range(0, total, self.part_size), 1), deadline)
             self._complete(full, upload_id, parts, total, deadline)
         except BaseException:
             self._abort(full, upload_id, deadline)
