@@ -295,7 +295,7 @@ def test_create_exclusive_has_one_winner(s3_url):
     assert store.create_exclusive("lease", b"run-a") is True
     assert store.create_exclusive("lease", b"run-b") is False
     assert read_bytes(store, "lease") == b"run-a"
-    results = list(store._pool.map(lambda i: store.create_exclusive("race", f"run-{i}".encode()), range(16)))
+    results = list(store._pools.here().map(lambda i: store.create_exclusive("race", f"run-{i}".encode()), range(16)))
     assert results.count(True) == 1
     assert read_bytes(store, "race") == f"run-{results.index(True)}".encode()
 
