@@ -7,8 +7,9 @@ stalls most) is timed over and over:
   tierio        while a CheckpointManager save persists to tier 0 and promotes to tier 1 behind it
                 (its persist, checksum and promotion threads run in this process)
   tierio_one    the same with one tier: the same work as DCP's (write once), no promotion copy
-  tierio_level  the two-tier save with ``background_nice=0``: its threads at the step's priority
-                (what the background niceness, io.background, buys where cores are contended)
+  tierio_level  the two-tier save with ``background_nice=0``: its threads are ordinary threads, at
+                the step's priority and moving bytes in the foreground's shorter requests (what
+                io.background buys: a contended core and fewer GIL handovers)
   dcp_thread    while ``dcp.async_save`` writes with its thread-based checkpointer
   dcp_process   while ``dcp.async_save`` writes with ``AsyncCheckpointerType.PROCESS`` (a process
                 of its own: the reference for "off the training interpreter")

@@ -41,8 +41,9 @@ class CheckpointOptions(Options):
     ``numa_node``: place the staging buffers on this NUMA node (``"auto"``: the current GPU's), by
     allocating and first-touching them from its CPUs (``io.numa``); ``stats()["staging_numa"]`` says where;
     ``background_nice``: the niceness added to the threads that persist, checksum, promote and send
-    buddy copies behind training, so a contended core goes to the training step first (0: the same
-    priority as training; ``io.background``)."""
+    buddy copies behind training, so a contended core goes to the training step first; those
+    threads also move bytes in few long calls, so they rarely take the GIL from the step (0: they
+    are ordinary threads; ``io.background``)."""
 
     memory_budget_bytes: int | str | None = None
     double_buffer: bool = False

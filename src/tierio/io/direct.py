@@ -25,6 +25,7 @@ from functools import partial
 from pathlib import Path
 
 from tierio.errors import DiskFullError, StorageError, os_error
+from tierio.io import background
 from tierio.io.buffers import ALIGN, BufferPool, HostBuffer, address_of, align_down, align_up, shared_pool
 from tierio.io.engine import Request, settle_all, submit
 from tierio.io.limiter import TokenBucket
@@ -122,7 +123,8 @@ class FileWriter:
     """Sequential writer: ``write()`` appends, ``close()`` waits, truncates the padding and fsyncs.
 
     Buffers passed to ``write`` must stay unchanged until ``close`` returns: aligned ones are
-    written in place, with up to ``depth`` requests of ``chunk_size`` bytes in flight.
+    written in place, with up to ``depth`` requests of ``chunk_size`` bytes in flight (by default
+    8 MiB and 8; on a background thread fewer, longer ones: ``io.background.request_shape``).
     """
 
     def __init__(
@@ -130,13 +132,16 @@ class FileWriter:
         path: str | Path,
         *,
         direct: bool = True,
-        chunk_size: int = DEFAULT_CHUNK,
-        depth: int = DEFAULT_DEPTH,
+        chunk_size: int | None = None,
+        depth: int | None = None,
         limiter: TokenBucket | None = None,
         dir_fd: int | None = None,
     ) -> None:
         self.path = Path(path)
+        chunk_size, depth = background.request_shape(chunk_size, depth, DEFAULT_CHUNK, DEFAULT_DEPTH)
         self.chunk_size = align_up(chunk_size)
+        # unaligned bytes are gathered in bounce buffers of the shared pool: those stay small
+        self.bounce_size = min(self.chunk_size, DEFAULT_CHUNK)
         self.depth = max(1, depth)
         self.limiter = limiter
         self.dir_fd = dir_fd  # given: the file is path.name in it, made exclusively (see open_file)
@@ -197,12 +202,12 @@ class FileWriter:
                     view = view[n:]
                     continue
             if self._bounce is None:
-                self._bounce = bounce_pool().acquire(self.chunk_size)
-            n = min(len(view), self.chunk_size - self._fill)
+                self._bounce = bounce_pool().acquire(self.bounce_size)
+            n = min(len(view), self.bounce_size - self._fill)
             self._bounce.view[self._fill : self._fill + n] = view[:n]
             self._fill += n
             view = view[n:]
-            if self._fill == self.chunk_size:
+            if self._fill == self.bounce_size:
                 self._flush_bounce()
 
     # -- completion -------------------------------------------------------------------------

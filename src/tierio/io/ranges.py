@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from tierio.errors import IntegrityError, os_error
+from tierio.io import background
 from tierio.io.buffers import ALIGN, BufferPool, HostBuffer, address_of, align_down, align_up
 from tierio.io.engine import Window, Windowing, read_range
 from tierio.io.limiter import TokenBucket
@@ -90,8 +91,8 @@ def read_into(
     buf,
     *,
     direct: bool = True,
-    chunk_size: int = DEFAULT_CHUNK,
-    depth: int = DEFAULT_DEPTH,
+    chunk_size: int | None = None,
+    depth: int | None = None,
     fd: int | None = None,
 ) -> IOStats:
     """Fill ``buf`` with the bytes of ``path`` at [offset, offset+len(buf)) using parallel requests
@@ -116,7 +117,10 @@ def read_into(
             raise IntegrityError(f"{path} is {size} bytes; cannot read bytes {offset}..{offset + n}: the file is truncated or the range is wrong")
         in_place = is_direct and n > 0 and (address_of(view) - offset) % ALIGN == 0
         job = _RangeRead(fd, path, offset, view, is_direct, in_place)
-        requests = len(read_range(offset, offset + n, Windowing(align_up(chunk_size), depth), job.window))
+        if in_place or not is_direct:  # no window passes through the shared bounce buffers
+            chunk_size, depth = background.request_shape(chunk_size, depth, DEFAULT_CHUNK, DEFAULT_DEPTH)
+        requests = len(read_range(offset, offset + n, Windowing(align_up(chunk_size or DEFAULT_CHUNK),
+                                                                depth or DEFAULT_DEPTH), job.window))
     finally:
         if own_fd:
             os.close(fd)
@@ -170,8 +174,8 @@ def copy_file(
     dst: str | Path,
     *,
     direct: bool = True,
-    chunk_size: int = DEFAULT_CHUNK,
-    depth: int = DEFAULT_DEPTH,
+    chunk_size: int | None = None,
+    depth: int | None = None,
     limiter: TokenBucket | None = None,
     on_chunk: Callable[[int, memoryview], None] | None = None,
     src_fd: int | None = None,
@@ -194,7 +198,8 @@ def copy_file(
             size = os.fstat(src_fd).st_size
             job = _FileCopy(src_fd, dst_fd, src, dst, dst_direct, on_chunk, limiter)
             # read_range returns only once no request is running, also on error: dst_fd may close.
-            requests = len(read_range(0, size, Windowing(align_up(chunk_size), depth), job.window))
+            windows = Windowing(align_up(chunk_size or DEFAULT_CHUNK), depth or DEFAULT_DEPTH)
+            requests = len(read_range(0, size, windows, job.window))
             if dst_direct and size % ALIGN:
                 os.ftruncate(dst_fd, size)
             os.fsync(dst_fd)
