@@ -26,6 +26,10 @@ streamed back through a local cache in batches of 64, one process, no DataLoader
   workers2_vs_workers0    tierio's first epoch with 2 DataLoader workers / with none
   plain_dataloader_workers2_vs_workers0
                           the same through a plain ``DataLoader(ds, batch_size=64, num_workers=k)``
+  workers0_first_epoch_cpu_busy
+                          the share of the machine's cores busy (/proc/stat) while that plain
+                          loader's first epoch ran with no worker: near 1, the reader and the S3
+                          server already used every core, so workers can add only their overhead
   write_vs_mds_write_upload
                           MDSWriter writing the shards locally and uploading them (seconds) /
                           tierio's ShardWriter writing them to the bucket

@@ -53,6 +53,7 @@ class Streamed:
     cached_epoch: float
     first_epoch_disk_read: int | None = None  # bytes, reader + S3 server, page cache dropped first
     workers: int = 0
+    first_epoch_cpu_busy: float | None = None  # the machine's cores busy during the first epoch (0..1)
 
 
 @dataclass(frozen=True)
@@ -135,16 +136,27 @@ def _epoch(batches: Iterable[Any], rows: Callable[[Any], int]) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def _epochs(loader: Any, rows: Callable[[Any], int], server: ServerRef | None, measure_disk: bool) -> tuple[float, float, int | None]:
-    """(first, second epoch samples/s, bytes read from the disk during the first)."""
+def _cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU time of the whole machine so far, from /proc/stat."""
+    with open("/proc/stat") as f:
+        user, nice, system, idle, iowait, *rest = (int(x) for x in f.readline().split()[1:])
+    return user + nice + system + sum(rest[:3]), user + nice + system + idle + iowait + sum(rest[:3])
+
+
+def _epochs(loader: Any, rows: Callable[[Any], int], server: ServerRef | None, measure_disk: bool
+            ) -> tuple[float, float, int | None, float]:
+    """(first, second epoch samples/s, bytes read from the disk during the first, the share of
+    the machine's cores busy during the first: near 1, no core was left for more workers)."""
     measure_disk = measure_disk and server is not None  # no server: nothing of its reads to count
     pids = [os.getpid(), *_tree(server.pid)] if measure_disk else []
     if measure_disk:
         common.drop_caches([server.data_dir])
-    before = _read_bytes(pids)
+    before, cpu0 = _read_bytes(pids), _cpu_jiffies()
     first = _epoch(loader, rows)
+    cpu1 = _cpu_jiffies()
     disk = _read_bytes(pids) - before if measure_disk else None
-    return first, _epoch(loader, rows), disk
+    busy = (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1])
+    return first, _epoch(loader, rows), disk, busy
 
 
 def _bucket(server: ServerRef) -> tuple[str, Any]:
@@ -185,8 +197,8 @@ def run_tierio(server: ServerRef, data: np.ndarray, work: Path, workers: tuple[i
         cache = work / f"tierio-cache-{k}"
         ds = StreamingDataset(url, cache, 4 * data.nbytes + (1 << 30), batch_size=BATCH, seed=0)
         loader = build_loader(ds, BATCH, settings=loader_settings(num_workers=k, drop_last=False))
-        first, cached, disk = _epochs(loader, _batch_rows, server, measure_disk=k == 0)
-        out.append(Streamed("tierio", write_s, _bytes_under(store, "tierio"), first, cached, disk, k))
+        first, cached, disk, busy = _epochs(loader, _batch_rows, server, measure_disk=k == 0)
+        out.append(Streamed("tierio", write_s, _bytes_under(store, "tierio"), first, cached, disk, k, busy))
         del loader, ds
         shutil.rmtree(cache, ignore_errors=True)
     return out + _plain_dataloader(url, data, work, write_s, _bytes_under(store, "tierio"))
@@ -199,17 +211,18 @@ def _plain_dataloader(url: str, data: np.ndarray, work: Path, write_s: float, st
 
     from tierio.data.streaming import StreamingDataset
 
-    runs: dict[int, list[tuple[float, float]]] = {0: [], 2: []}
+    runs: dict[int, list[tuple[float, float, float]]] = {0: [], 2: []}
     for k in (0, 2, 2, 0):
         cache = work / f"tierio-plain-cache-{k}"
         loader = DataLoader(StreamingDataset(url, cache, 4 * data.nbytes + (1 << 30), seed=0), batch_size=BATCH,
                             num_workers=k)
-        first, cached, _ = _epochs(loader, _batch_rows, None, measure_disk=False)
-        runs[k].append((first, cached))
+        first, cached, _, busy = _epochs(loader, _batch_rows, None, measure_disk=False)
+        runs[k].append((first, cached, busy))
         del loader
         shutil.rmtree(cache, ignore_errors=True)
-    return [Streamed("tierio-plain", write_s, stored, statistics.median(f for f, _ in r),
-                     statistics.median(c for _, c in r), None, k) for k, r in runs.items()]
+    return [Streamed("tierio-plain", write_s, stored, statistics.median(f for f, _, _ in r),
+                     statistics.median(c for _, c, _ in r), None, k, statistics.median(b for _, _, b in r))
+            for k, r in runs.items()]
 
 
 def run_mosaic(streaming: types.ModuleType, server: ServerRef, data: np.ndarray, work: Path) -> Streamed:
@@ -229,7 +242,7 @@ def run_mosaic(streaming: types.ModuleType, server: ServerRef, data: np.ndarray,
     ds = streaming.StreamingDataset(remote=remote, local=str(work / "mds-cache"), batch_size=BATCH, shuffle=True,
                                     shuffle_seed=0)
     loader = DataLoader(ds, batch_size=BATCH, num_workers=0)
-    first, cached, disk = _epochs(loader, _batch_rows, server, measure_disk=True)
+    first, cached, disk, _ = _epochs(loader, _batch_rows, server, measure_disk=True)
     del loader, ds
     streaming.base.util.clean_stale_shared_memory()
     return Streamed("mosaic", write_s, _bytes_under(store, "mds"), first, cached, disk)
@@ -263,7 +276,7 @@ def run_litdata(litdata: types.ModuleType, server: ServerRef, data: np.ndarray, 
     ds = litdata.StreamingDataset(f"s3://{bucket}/lit", cache_dir=str(work / "lit-cache"), storage_options=opts,
                                   shuffle=True, seed=0)
     loader = litdata.StreamingDataLoader(ds, batch_size=BATCH, num_workers=0)
-    first, cached, disk = _epochs(loader, _batch_rows, server, measure_disk=True)
+    first, cached, disk, _ = _epochs(loader, _batch_rows, server, measure_disk=True)
     return Streamed("litdata", write_s, _bytes_under(store, "lit"), first, cached, disk)
 
 
@@ -315,6 +328,8 @@ def bench_peers(work: Path, n: int, with_peers: bool = True) -> dict[str, Any]:
     plain0, plain2 = by.get(("tierio-plain", 0)), by.get(("tierio-plain", 2))
     if plain0 is not None and plain2 is not None:
         ratios["plain_dataloader_workers2_vs_workers0"] = common.ratio(plain2.first_epoch, plain0.first_epoch)
+        # the machine's bound on both workers ratios: with no worker, how busy its cores already were
+        ratios["workers0_first_epoch_cpu_busy"] = round(plain0.first_epoch_cpu_busy or 0.0, 3)
     if ("litdata", 0) in by:
         lit = by[("litdata", 0)]
         ratios["stream_vs_litdata_first_epoch"] = common.ratio(tio.first_epoch, lit.first_epoch)

@@ -18,18 +18,21 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from tierio.bench.common import alternate, drop_caches
+from tierio.bench.common import alternate, drop_caches, require_tool
+from tierio.io.buffers import align_down, align_up
 from tierio.weights import LoadStats, TensorParallel, load, shard_model
-from tierio.weights.sliced import cut, with_rules
-from tierio.weights.sources import resolve
+from tierio.weights.sliced import cut, split, with_rules
+from tierio.weights.sources import ModelSource, resolve
 
 TP = 4
+SECTOR = 512  # the grid tierio's exact reader widens pieces to (the device's logical block here)
 CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
           "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000}
 
@@ -91,6 +94,50 @@ def _busiest(model: Path, **kw) -> float:
     return worst[0] / worst[1]
 
 
+def _fio_jobs(src: ModelSource, spec: TensorParallel | None) -> list[list[str]]:
+    """fio jobs reading what ``spec``'s rank reads with ``slice_gap_bytes=0`` (every file whole
+    when None), O_DIRECT on the device's 512-byte grid as tierio's exact reader widens its pieces:
+    a job per contiguous region (8 MiB blocks, depth 8) and per column of strided pieces (one piece
+    per block, the holes skipped with ``rw=read:HOLE``, depth 128)."""
+    if spec is None:
+        return [[f"--filename={sh.path}", "--rw=read", "--bs=8M", "--iodepth=8", f"--size={sh.size}"] for sh in src.shards]
+    plan = split(src, spec, list(src.tensors()), gap=0)
+    jobs = []
+    for shard, entries in plan.selected.items():
+        spans: list[list[int]] = []
+        for _, e in entries:  # sorted by offset: merge the ranges that touch
+            a, b = shard.data_offset + e.begin, shard.data_offset + e.end
+            if spans and a <= spans[-1][1]:
+                spans[-1][1] = max(spans[-1][1], b)
+            else:
+                spans.append([a, b])
+        for a, b in spans:
+            lo = align_down(a, SECTOR)
+            jobs.append([f"--filename={shard.path}", "--rw=read", "--bs=8M", "--iodepth=8", f"--offset={lo}",
+                         f"--size={align_up(b, SECTOR) - lo}"])
+    for it in plan.strided:
+        pieces, k = it.pieces(), len(it.take.ranges)
+        for j in range(k):  # each range of a row repeats at the same stride
+            col = pieces[j::k]
+            off, n = int(col[0, 0]), int(col[0, 1])
+            stride = int(col[1, 0] - col[0, 0]) if len(col) > 1 else n
+            lo = align_down(off, SECTOR)
+            bs = align_up(off + n, SECTOR) - lo
+            jobs.append([f"--filename={it.shard.path}", f"--rw=read:{max(0, stride - bs)}", f"--bs={bs}",
+                         "--iodepth=128", f"--offset={lo}", f"--size={stride * len(col)}"])
+    return jobs
+
+
+def _fio_seconds(jobs: list[list[str]]) -> float:
+    """Seconds for fio to run ``jobs`` all at once (the slowest job's runtime)."""
+    fio = require_tool("fio", "apt-get install fio")
+    args = [fio, "--ioengine=libaio", "--direct=1", "--readonly", "--output-format=json"]
+    for i, job in enumerate(jobs):
+        args += [f"--name=tp{i}", *job]
+    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    return max(j["read"]["runtime"] for j in json.loads(out[out.index("{"):])["jobs"]) / 1000.0
+
+
 def run_tp(work: Path, size: int, rounds: int) -> tuple[dict, dict[str, float], dict[str, float]]:
     """(figures, ratios, extra ratios) of the tensor-parallel part."""
     model = make_llama(work / "llama", size)
@@ -116,11 +163,18 @@ def run_tp(work: Path, size: int, rounds: int) -> tuple[dict, dict[str, float], 
                  "sliced": timed(lambda: load(model, shard=spec)),
                  "sliced_exact": timed(lambda: load(model, shard=spec, slice_gap_bytes=0)),
                  "presharded": timed(lambda: load(pre, shard=TensorParallel(1, TP)))}
+        src = resolve(model)
+        exact_jobs, whole_jobs = _fio_jobs(src, spec), _fio_jobs(src, None)
+        sides.update({"fio_whole": lambda: _fio_seconds(whole_jobs), "fio_exact_slice": lambda: _fio_seconds(exact_jobs)})
         secs = alternate(sides, max(1, rounds), before=lambda: drop_caches([work]))
         res["seconds"] = secs
         ratios["tp_load_vs_full_then_slice"] = min(secs["full_then_slice"]) / min(secs["sliced"])
         extra["tp_exact_load_vs_full_then_slice"] = min(secs["full_then_slice"]) / min(secs["sliced_exact"])
         extra["tp_presharded_vs_full_then_slice"] = min(secs["full_then_slice"]) / min(secs["presharded"])
+        # The device's own bound on the ratio with exact bytes: fio reading the whole files ÷ fio
+        # reading exactly the rank's slices (the same pieces, widened to the same grid).
+        extra["tp_fio_whole_vs_fio_exact_slice"] = min(secs["fio_whole"]) / min(secs["fio_exact_slice"])
+        extra["tp_exact_load_vs_fio_exact_slice"] = min(secs["fio_exact_slice"]) / min(secs["sliced_exact"])
         return res, ratios, extra
     finally:
         shutil.rmtree(work, ignore_errors=True)

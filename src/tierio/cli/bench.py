@@ -7,7 +7,10 @@ import ast
 import importlib
 import importlib.util
 import math
-from collections.abc import Callable
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tierio.cli.output import print_json, print_table
@@ -62,6 +65,21 @@ def _lazy(base: type[argparse.ArgumentParser]) -> type[argparse.ArgumentParser]:
     return LazyTarget
 
 
+@contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Descriptor 1 points at stderr for the block, for this process and the ones it starts, so
+    that stdout carries the JSON alone."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _load_target(name: str, t: argparse.ArgumentParser) -> None:
     """A target's options (tierio.bench.options) and its module's docstring, read without importing
     the module: the benchmarks import torch at module level, and `bench ckpt --help` must not."""
@@ -93,10 +111,12 @@ def register(sub) -> None:
 
 
 def _run(module, args) -> int:
-    result = module.run(args)
     if args.json:
+        with _stdout_to_stderr():  # peers (litdata, datatrove, their workers) print to stdout
+            result = module.run(args)
         print_json(result)
         return 0
+    result = module.run(args)
     targets = getattr(module, "TARGETS", {})
     rows = []
     for name, value in result.get("ratios", {}).items():
