@@ -22,13 +22,15 @@ def test_a_background_pool_runs_its_threads_niced_and_their_io_on_a_background_p
     with background.pool("t-bg", 7) as pool:
         nice, level = pool.submit(lambda: (_nice_of(threading.get_native_id()), background.level())).result()
         assert (nice, level) == (min(19, base + 7), 7)
-        # an I/O request submitted from the background thread runs on a background engine thread
-        nice, level, name = pool.submit(lambda: engine.submit(lambda: (
+        # an I/O request submitted from the background thread goes to the background engine pool
+        # (``executor().submit``: ``engine.submit``'s result() may run a request not yet started
+        # on the waiting thread itself)
+        nice, level, name = pool.submit(lambda: engine.executor().submit(lambda: (
             _nice_of(threading.get_native_id()), background.level(), threading.current_thread().name)).result()
         ).result()
         assert (nice, level) == (min(19, base + 7), 7) and name.startswith("tierio-io-bg7")
     # the training thread's own requests stay at its priority
-    nice, level, name = engine.submit(lambda: (_nice_of(threading.get_native_id()), background.level(),
+    nice, level, name = engine.executor().submit(lambda: (_nice_of(threading.get_native_id()), background.level(),
                                                threading.current_thread().name)).result()
     assert (nice, level) == (base, 0) and name.startswith("tierio-io")
     assert _nice_of(threading.get_native_id()) == base
@@ -54,3 +56,23 @@ def test_a_checkpoint_persists_on_niced_threads_and_zero_keeps_them_level(tmp_pa
             assert set(seen.values()) == {min(19, base + nice)}, seen
             assert torch.equal(mgr.restore()["w"], state["w"])
         assert _nice_of(threading.get_native_id()) == base
+
+
+def test_a_thread_started_by_a_background_thread_stays_off_the_foreground_pools():
+    base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    seen = []
+
+    def child() -> None:
+        seen.append(engine.executor().submit(lambda: (_nice_of(threading.get_native_id()), threading.current_thread().name)).result())
+
+    def start_child() -> None:
+        t = threading.Thread(target=child)  # an ordinary thread, but born niced
+        t.start()
+        t.join()
+
+    with background.pool("t-parent", 5) as pool:
+        pool.submit(start_child).result()
+    (nice, name), = seen
+    assert nice == min(19, base + 5) and name.startswith("tierio-io-bg5")
+    nice, name = engine.executor().submit(lambda: (_nice_of(threading.get_native_id()), threading.current_thread().name)).result()
+    assert nice == base and not name.startswith("tierio-io-bg")

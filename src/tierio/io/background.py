@@ -54,8 +54,18 @@ def mark(nice: int) -> None:
 
 
 def level() -> int:
-    """The niceness the calling thread was marked with (0: not a background thread)."""
-    return getattr(_local, "nice", 0)
+    """The calling thread's niceness above the process's (0: not a background thread): as marked,
+    or for a thread started by a background thread, the niceness it inherited from it (read once),
+    so that its I/O, too, stays off the pools that serve training."""
+    nice = getattr(_local, "nice", None)
+    if nice is None:
+        try:
+            nice = max(0, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+                       - os.getpriority(os.PRIO_PROCESS, os.getpid()))
+        except (OSError, AttributeError):
+            nice = 0
+        _local.nice = nice
+    return nice
 
 
 def request_shape(chunk_bytes: int | None, depth: int | None, default_chunk: int, default_depth: int) -> tuple[int, int]:
