@@ -42,7 +42,9 @@ and the cluster figures (``tierio.bench.data_cluster``: the Ray build against th
 datatrove and litdata, its finishing step's bytes, a 3-source blend against one source; --no-cluster
 skips them).
 
-Peers are found if installed and named when missing: ``pip install litdata mosaicml-streaming``.
+Peers are found if installed and named when missing: ``pip install mosaicml-streaming`` and
+``pip install --no-deps litdata tifffile obstore`` (litdata's release requires torchvision, which
+would pull another torch build; nothing measured here uses it).
 With --skip-peers tierio's part of that comparison still runs (shard_bytes_overhead,
 first_epoch_disk_read_ratio, workers2_vs_workers0), without the peers.
 """

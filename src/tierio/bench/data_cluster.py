@@ -139,7 +139,7 @@ def _litdata(files: list[Path], tok: Path, work: Path, stats: dict[str, Any]) ->
 
     litdata = import_litdata()
     if litdata is None:
-        return "pip install litdata (beside your torch build)"
+        return "pip install --no-deps litdata tifffile obstore (beside your torch build)"
 
     def run() -> float:
         out = work / "lit"

@@ -34,7 +34,7 @@ from tierio.bench import common
 TOKENS = 1024
 BATCH = 64
 SHARD_BYTES = 64 << 20  # every library cuts its shards at 64 MiB (MDS and litdata defaults too)
-INSTALL = "pip install litdata mosaicml-streaming"
+INSTALL = "pip install mosaicml-streaming; pip install --no-deps litdata tifffile obstore"
 
 
 def samples(n: int) -> np.ndarray:
