@@ -100,7 +100,7 @@ def _fio_jobs(src: ModelSource, spec: TensorParallel | None) -> list[list[str]]:
     a job per contiguous region (8 MiB blocks, depth 8) and per column of strided pieces (one piece
     per block, the holes skipped with ``rw=read:HOLE``, depth 128)."""
     if spec is None:
-        return [[f"--filename={sh.path}", "--rw=read", "--bs=8M", "--iodepth=8", f"--size={sh.size}"] for sh in src.shards]
+        return [job for sh in src.shards for job in _sequential(str(sh.path), 0, align_up(sh.size, SECTOR))]
     plan = split(src, spec, list(src.tensors()), gap=0)
     jobs = []
     for shard, entries in plan.selected.items():
@@ -113,8 +113,7 @@ def _fio_jobs(src: ModelSource, spec: TensorParallel | None) -> list[list[str]]:
                 spans.append([a, b])
         for a, b in spans:
             lo = align_down(a, SECTOR)
-            jobs.append([f"--filename={shard.path}", "--rw=read", "--bs=8M", "--iodepth=8", f"--offset={lo}",
-                         f"--size={align_up(b, SECTOR) - lo}"])
+            jobs += _sequential(str(shard.path), lo, align_up(b, SECTOR) - lo)
     for it in plan.strided:
         pieces, k = it.pieces(), len(it.take.ranges)
         for j in range(k):  # each range of a row repeats at the same stride
@@ -128,14 +127,27 @@ def _fio_jobs(src: ModelSource, spec: TensorParallel | None) -> list[list[str]]:
     return jobs
 
 
+def _sequential(path: str, offset: int, size: int) -> list[list[str]]:
+    """fio jobs reading [offset, offset + size) in 8 MiB blocks (fio refuses a block larger than
+    the job and skips a last partial one: the tail is a job of its own)."""
+    whole = size // (8 << 20) * (8 << 20)
+    parts = [(offset, whole, 8 << 20), (offset + whole, size - whole, size - whole)]
+    return [[f"--filename={path}", "--rw=read", f"--bs={bs}", "--iodepth=8", f"--offset={lo}", f"--size={n}"]
+            for lo, n, bs in parts if n]
+
+
 def _fio_seconds(jobs: list[list[str]]) -> float:
-    """Seconds for fio to run ``jobs`` all at once (the slowest job's runtime)."""
+    """Seconds for fio to run ``jobs`` all at once: the longest job's runtime (threads, started
+    together; fio's own start-up, a large part of its wall time, is not the device's)."""
     fio = require_tool("fio", "apt-get install fio")
-    args = [fio, "--ioengine=libaio", "--direct=1", "--readonly", "--output-format=json"]
+    args = [fio, "--ioengine=libaio", "--direct=1", "--readonly", "--thread", "--output-format=json"]
     for i, job in enumerate(jobs):
         args += [f"--name=tp{i}", *job]
-    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
-    return max(j["read"]["runtime"] for j in json.loads(out[out.index("{"):])["jobs"]) / 1000.0
+    done = subprocess.run(args, check=True, capture_output=True, text=True)
+    ran = json.loads(done.stdout[done.stdout.index("{"):])["jobs"]
+    if len(ran) != len(jobs):  # fio drops the jobs after one it refuses, and still exits 0
+        raise RuntimeError(f"fio ran {len(ran)} of {len(jobs)} jobs: {done.stderr.strip()}")
+    return max(j["read"]["runtime"] for j in ran) / 1000.0
 
 
 def run_tp(work: Path, size: int, rounds: int) -> tuple[dict, dict[str, float], dict[str, float]]:
