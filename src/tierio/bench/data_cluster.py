@@ -10,7 +10,8 @@
                           the same / litdata ``optimize`` tokenizing each file (2 workers, local disk)
   blend_samples_per_s_vs_single
                           samples/s of a 3-source BlendedDataset of token windows / one source,
-                          each through ``build_loader`` with 2 workers, batches of 64
+                          each through ``build_loader`` with 2 workers, batches of 64, from the
+                          first batch on (about 100,000 windows per pass)
 
 Sides run in interleaved rounds (``common.alternate``); each keeps its best. Peers missing are named.
 """
@@ -172,7 +173,8 @@ def bench_blend(work: Path, repeat: int, batch: int = 64, seq_len: int = 1024) -
     rng = np.random.default_rng(1)
     sources = []
     for i in range(3):
-        build_indexed([rng.integers(0, 50_000, 20_000_000)], work / f"blend{i}", vocab_size=50_000)
+        # ~100k windows a source: a pass takes long enough (about half a second) to be a rate
+        build_indexed([rng.integers(0, 50_000, 100_000_000, dtype=np.int32)], work / f"blend{i}", vocab_size=50_000)
         sources.append(TokenWindowDataset(work / f"blend{i}", seq_len))
     blend = BlendedDataset(sources, [0.5, 0.3, 0.2])
     workers = 2
@@ -182,11 +184,16 @@ def bench_blend(work: Path, repeat: int, batch: int = 64, seq_len: int = 1024) -
     n = (min(len(blend), len(sources[0])) // batch - in_flight) * batch
 
     def through(ds: Any) -> float:
+        """Samples/s from the first batch on: the workers' start, the same for both sides and
+        once per epoch in a job, is left out."""
         loader = build_loader(ds, batch, num_workers=workers)
-        t, seen = time.perf_counter(), 0
+        t, seen = 0.0, 0
         for b in loader:
+            if not t:
+                t = time.perf_counter()
+                continue
             seen += len(b["input_ids"])
-            if seen >= n:
+            if seen + batch >= n:
                 break
         rate = seen / (time.perf_counter() - t)
         del loader
