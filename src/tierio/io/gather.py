@@ -125,6 +125,14 @@ def _copy_out(scratch: np.ndarray, src: np.ndarray, dst: np.ndarray, length: np.
         dest[d : d + n] = scratch[s : s + n]
 
 
+def _copy_group(scratch: np.ndarray, at: np.ndarray, a: int, b: int, which: np.ndarray, pieces: np.ndarray,
+                starts: np.ndarray, dest: np.ndarray) -> None:
+    """Copy out the pieces of requests ``a`` to ``b - 1``, read into ``scratch`` at offsets ``at``."""
+    i0, i1 = np.searchsorted(which, [a, b])
+    mine, req = pieces[i0:i1], which[i0:i1]
+    _copy_out(scratch, at[req - a] + mine[:, 0] - starts[req], mine[:, 2], mine[:, 1], dest)
+
+
 def _gather(fd: int, where: str, pieces: np.ndarray, dest: np.ndarray, block: int, direct: bool,
             depth: int, use_aio: bool) -> Gathered:
     pieces = split_long(pieces, BATCH_BYTES // 2)
@@ -143,9 +151,7 @@ def _gather(fd: int, where: str, pieces: np.ndarray, dest: np.ndarray, block: in
             view, unaligned = buf.view, direct and block < ALIGN
             for lo, n, end, put in zip(starts[a:b].tolist(), sizes[a:b].tolist(), needs[a:b].tolist(), at.tolist()):
                 _read(fd, view[put : put + n], lo, end - lo, where, unaligned)
-            i0, i1 = np.searchsorted(which, [a, b])
-            mine, req = pieces[i0:i1], which[i0:i1]
-            _copy_out(buf.array, at[req - a] + mine[:, 0] - starts[req], mine[:, 2], mine[:, 1], dest)
+            _copy_group(buf.array, at, a, b, which, pieces, starts, dest)
         finally:
             if total <= BATCH_BYTES:
                 pool.release(buf)
@@ -194,9 +200,7 @@ def _gather_aio(fd: int, where: str, pieces: np.ndarray, dest: np.ndarray, start
                     raise os_error(OSError(-int(got[j]), os.strerror(-int(got[j]))), where, "reading")
                 lo, n = int(starts[a + j]), int(sizes[a + j])
                 _read(fd, buf.view[int(at[j]) : int(at[j]) + n], lo, int(needs[a + j]) - lo, where, False)
-            i0, i1 = np.searchsorted(which, [a, b])
-            mine, req = pieces[i0:i1], which[i0:i1]
-            _copy_out(buf.array, at[req - a] + mine[:, 0] - starts[req], mine[:, 2], mine[:, 1], dest)
+            _copy_group(buf.array, at, a, b, which, pieces, starts, dest)
         finally:
             if total <= AIO_SCRATCH_BYTES:
                 pool.release(buf)
