@@ -196,7 +196,10 @@ class Manifest:
         return _encode(self.to_json(), f"manifest of step {self.step}", compact=not all(r.loaded for r in self.ranks))
 
 
-READABLE_BYTES = 64 << 10  # manifests up to this size are indented for people reading them
+# Manifests up to this size (a handful of tensors) are indented for people reading them. Indented
+# JSON comes from the pure-Python encoder, run on a background thread during training: a 16 KiB
+# manifest held the GIL for tens of milliseconds, taken from the step (docs/integrations.md).
+READABLE_BYTES = 4 << 10
 
 
 def _encode(doc: dict, what: str, compact: bool = False) -> bytes:
