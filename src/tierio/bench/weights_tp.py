@@ -27,6 +27,8 @@ import torch
 
 from tierio.bench.common import alternate, drop_caches, require_tool
 from tierio.io.buffers import align_down, align_up
+from tierio.io.engine import ByteRange, Windowing
+from tierio.io.engine import plan as regions
 from tierio.weights import LoadStats, TensorParallel, load, shard_model
 from tierio.weights.sliced import cut, split, with_rules
 from tierio.weights.sources import ModelSource, resolve
@@ -104,16 +106,9 @@ def _fio_jobs(src: ModelSource, spec: TensorParallel | None) -> list[list[str]]:
     plan = split(src, spec, list(src.tensors()), gap=0)
     jobs = []
     for shard, entries in plan.selected.items():
-        spans: list[list[int]] = []
-        for _, e in entries:  # sorted by offset: merge the ranges that touch
-            a, b = shard.data_offset + e.begin, shard.data_offset + e.end
-            if spans and a <= spans[-1][1]:
-                spans[-1][1] = max(spans[-1][1], b)
-            else:
-                spans.append([a, b])
-        for a, b in spans:
-            lo = align_down(a, SECTOR)
-            jobs += _sequential(str(shard.path), lo, align_up(b, SECTOR) - lo)
+        ranges = [ByteRange(shard.data_offset + e.begin, shard.data_offset + e.end) for _, e in entries]
+        for r in regions(ranges, Windowing(8 << 20, 8, grid=SECTOR)):  # touching ranges merged, starts on the grid
+            jobs += _sequential(str(shard.path), r.start, align_up(r.end, SECTOR) - r.start)
     for it in plan.strided:
         pieces, k = it.pieces(), len(it.take.ranges)
         for j in range(k):  # each range of a row repeats at the same stride

@@ -43,7 +43,6 @@ from tierio.errors import ConfigError, FormatError, IntegrityError, TierioError
 from tierio.format.manifest import MAX_MANIFEST_BYTES, RankEntry
 from tierio.format.shard import parse_record_name, parse_step_dir, shard_name, step_dir, step_key
 from tierio.io import background
-from tierio.io.background import DEFAULT_NICE
 from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Store, read_bytes
 from tierio.units import fmt_bytes
@@ -230,7 +229,7 @@ class Buddy:
     node copies can restore and fetching this rank's part from its holder."""
 
     def __init__(self, store: Store, rank: int, world_size: int, link: Link | None,
-                 retention: Retention | None, nice: int = DEFAULT_NICE) -> None:
+                 retention: Retention | None, nice: int = background.DEFAULT_NICE) -> None:
         self.store = store  # this node's tier 0
         self.rank = rank
         self.world_size = world_size
@@ -241,7 +240,7 @@ class Buddy:
 
     @staticmethod
     def setup(store: Store, rank: int, world_size: int, group: Any, node: str, bandwidth: float | None,
-              timeout: float, retention: Retention | None, nice: int = DEFAULT_NICE) -> Buddy:
+              timeout: float, retention: Retention | None, nice: int = background.DEFAULT_NICE) -> Buddy:
         """Pair the nodes and make the buddy group: in the caller's thread, on every rank (one
         all_gather_object over ``group``, then ``new_group`` when there is more than one node)."""
         import torch.distributed as dist

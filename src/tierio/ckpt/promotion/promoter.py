@@ -20,7 +20,6 @@ from typing import Any
 from tierio import events
 from tierio.errors import ConfigError, FormatError, IntegrityError, LeaseError, StorageError, TierioError
 from tierio.io import background
-from tierio.io.background import DEFAULT_NICE
 
 from tierio.ckpt.promotion.cluster import Cluster, Own, promote_step, publish
 from tierio.ckpt.saving.job import SaveHandle
@@ -38,7 +37,7 @@ class Promoter:
     """Runs publication, promotion and retention on one thread (see the module docstring)."""
 
     def __init__(self, tiers: list[TierState], cluster: Cluster, book: StepBook, min_keep: int,
-                 nice: int = DEFAULT_NICE) -> None:
+                 nice: int = background.DEFAULT_NICE) -> None:
         self.tiers, self.cluster, self.book, self.min_keep = tiers, cluster, book, min_keep
         self._pool = background.pool("tierio-ckpt-promote", nice)
         self._gc_lock = threading.Lock()

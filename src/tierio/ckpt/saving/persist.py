@@ -27,7 +27,6 @@ from tierio.errors import ConfigError, FormatError, StorageError
 from tierio.format.manifest import RankEntry, TensorInfo
 from tierio.format.shard import Placement, ShardBytes, describe, manifest_key, plan_shard, shard_key, shard_name, step_dir
 from tierio.io import background
-from tierio.io.background import DEFAULT_NICE
 from tierio.io.buffers import BufferPool, align_up
 from tierio.io.numa import placement
 from tierio.units import human_bytes
@@ -53,7 +52,7 @@ class Persister:
     def __init__(self, tiers: list[TierState], cluster: Cluster, book: StepBook, *, memory_budget: int | None,
                  slots: int, overlap: bool, incremental: bool, buddy: Buddy | None,
                  persisted: Callable[[int, SaveHandle], None], numa_node: int | str | None = None,
-                 nice: int = DEFAULT_NICE) -> None:
+                 nice: int = background.DEFAULT_NICE) -> None:
         self.tiers, self.cluster, self.book, self.buddy = tiers, cluster, book, buddy
         self.memory_budget, self.incremental, self.persisted = memory_budget, incremental, persisted
         # Staging buffers: at most `slots` exist, within the memory budget, reused by every save.
