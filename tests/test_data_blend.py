@@ -132,6 +132,11 @@ def test_window_batches_equal_the_blend_sample_by_sample(tmp_path):
     check(blend, np.random.default_rng(0).permutation(len(blend))[:64].tolist())  # shuffled: no runs
     check(blend, [5, 3, 4, 6])  # consecutive positions out of order
     check(blend, [7])
+    check(blend, range(len(blend) - 40, len(blend)))  # the last run
+    check(sources[0], range(100, 164))  # one source's own run: a slice of its windows
+    for ds in (blend, sources[0]):
+        with pytest.raises(IndexError):
+            ds.__getitems__(list(range(len(ds) - 3, len(ds) + 1)))  # a run past the end
     upsampled = BlendedDataset(sources, [0.5, 0.2, 0.3], samples=1000)
     for a in (0, 230, 240, 600, 936):
         check(upsampled, range(a, a + 64))  # across a source's end: its windows wrap to its start

@@ -330,6 +330,30 @@ def test_plain_dataloader_workers_hand_out_exactly_the_batches_of_no_workers(tmp
     assert {p.name for p in wire.SHM_DIR.glob("tierio-wire-*")} <= before
 
 
+def _reversed(batch):
+    """A user's collate_fn that reorders the samples before torch's default_collate."""
+    from torch.utils.data import default_collate
+
+    return default_collate(batch[::-1])
+
+
+def test_plain_dataloader_batches_reordered_by_the_users_collate_keep_their_order(local_url, tmp_path):
+    """A worker's gather sits in a shared-memory slot; a batch of exactly its rows, in order, crosses
+    as that slot. Rows reordered (or a batch that mixes gathers) are stacked into a new slot: the
+    loop gets them in the order the collate_fn gave them."""
+    from torch.utils.data import DataLoader
+
+    ds = StreamingDataset(local_url, tmp_path / "cache", batch_size=16, seed=5)
+    alone = list(DataLoader(ds, batch_size=16, num_workers=0))
+    ds.set_epoch(0)
+    flipped = list(DataLoader(ds, batch_size=16, num_workers=2, collate_fn=_reversed))
+    assert len(flipped) == len(alone)
+    assert all(torch.equal(b[k], a[k].flip(0)) for b, a in zip(flipped, alone) for k in a)
+    ds.set_epoch(0)
+    odd = list(DataLoader(ds, batch_size=12, num_workers=2))  # batches that straddle the gathers
+    assert sorted(int(i) for b in odd for i in b["x"][:, 0]) == sorted(int(i) for b in alone for i in b["x"][:, 0])
+
+
 def test_plain_dataloader_batches_too_large_for_a_ring_come_as_bytes(local_url, tmp_path, monkeypatch):
     """Batches a worker's ring could hold only a few of travel through the pipe, unchanged."""
     from torch.utils.data import DataLoader

@@ -131,6 +131,7 @@ class BlendedDataset(Positioned):
         windows = all(isinstance(s, TokenWindowDataset) for s in self.sources) and len(lens) == 1
         self.seq_len: int | None = lens.pop() if windows else None  # token windows: batches as one gather
         self._ring: BatchRing | None = None
+        self._views: list[np.ndarray | None] | None = None  # each source's run_view(), once per process
 
     def use_ring(self, ring: BatchRing | None) -> None:
         """Let DataLoader workers write window batches into ``ring`` (blends of token windows)."""
@@ -160,10 +161,12 @@ class BlendedDataset(Positioned):
 
     def __getitems__(self, indices: list[int]) -> Any:
         """A batch: each source read once for its samples, then put back in the blend's order."""
+        if self.seq_len is not None:
+            n, p0 = len(indices), self.split.run_start(indices)
+            pos = None if p0 is not None else self.split.positions_of(np.asarray(indices, dtype=np.int64))
+            return window_output(self._ring, n, self.seq_len, lambda rows: self._copy_windows(rows, n, p0, pos))
         pos = self.split.positions_of(np.asarray(indices, dtype=np.int64))
         src, k = self.source_index[pos], self.sample_index[pos]
-        if self.seq_len is not None:
-            return window_output(self._ring, len(pos), self.seq_len, lambda rows: self._copy_windows(rows, pos, src, k))
         order = np.argsort(src, kind="stable")
         parts = [self._read(int(d), k[order][src[order] == d]) for d in np.unique(src).tolist()]
         back = np.argsort(order, kind="stable")
@@ -172,23 +175,37 @@ class BlendedDataset(Positioned):
         flat = [x for p in parts for x in (_rows(p) if isinstance(p, dict) else p)]
         return [flat[j] for j in back.tolist()]
 
-    def _copy_windows(self, out: np.ndarray, pos: np.ndarray, src: np.ndarray, k: np.ndarray) -> None:
-        """Each source's windows of the batch into their rows of ``out``: one gather per source."""
+    def _copy_windows(self, out: np.ndarray, n: int, p0: int | None, pos: np.ndarray | None) -> None:
+        """The batch's windows into ``out`` (positions ``p0 .. p0 + n - 1``, or ``pos``): one copy
+        per source into its rows."""
+        run = p0 is not None
+        src, k = (self.source_index[p0 : p0 + n], self.sample_index[p0 : p0 + n]) if run else \
+            (self.source_index[pos], self.sample_index[pos])
         order = np.argsort(src, kind="stable")  # the rows of each source, in blend order
         ends = np.cumsum(np.bincount(src, minlength=len(self.sources))).tolist()
-        # consecutive blend positions take consecutive samples of each source (the rule hands a
-        # source its next sample): a sequential batch is one run per source, copied as one view
-        run = len(pos) > 1 and int(pos[-1]) - int(pos[0]) == len(pos) - 1 and bool(np.all(np.diff(pos) == 1))
+        if self._views is None:  # made once per process: views of the mapping are not pickled
+            self._views = [s.run_view() for s in self.sources]
         a = 0
         for d, b in enumerate(ends):
             if b > a:
-                rows, n = order[a:b], int(self.lengths[d])
-                first = int(k[rows[0]]) % n
-                if run and first + (b - a) <= n:  # the run does not wrap into the source's next pass
-                    self.sources[d].copy_run(out, rows, first, b - a)
+                rows, length, view = order[a:b], int(self.lengths[d]), self._views[d]
+                first = int(k[rows[0]]) % length
+                # consecutive blend positions take consecutive samples of each source (the rule hands
+                # a source its next sample): a run is one slice per source unless it wraps into the
+                # source's next pass
+                if run and first + (b - a) <= length:
+                    if view is not None:
+                        out[rows] = view[first : first + b - a]
+                    else:
+                        self.sources[d].copy_run(out, rows, first, b - a)
                 else:
-                    self.sources[d].copy_windows(out, rows, k[rows] % n)
+                    self.sources[d].copy_windows(out, rows, k[rows] % length)
             a = b
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_views"] = None
+        return state
 
     def _read(self, d: int, k: np.ndarray, single: bool = False) -> Any:
         """Samples ``k`` of source ``d`` (``k`` past its end: its next pass)."""

@@ -129,6 +129,17 @@ class EpochSplit:
             return idx  # a whole epoch on one rank: sample i is position i
         return self._at(self._left_index(idx))
 
+    def run_start(self, indices: list[int]) -> int | None:
+        """The first position of a batch whose positions are consecutive, on one rank with nothing
+        consumed (sample i is position i there: a sequential sampler's batches), else None. Checked
+        on the list: the array calls it saves are a fifth of a window batch's cost."""
+        n = len(indices)
+        if n < 2 or self.world_size != 1 or self.consumed or indices != list(range(indices[0], indices[0] + n)):
+            return None
+        if indices[0] < 0 or indices[-1] >= self.share:
+            raise IndexError(f"samples [{indices[0]}, {indices[-1]}] outside this rank's {self.share}")
+        return int(indices[0])
+
     def position(self, i: int) -> int:
         return int(self.positions(i, i + 1)[0])
 

@@ -42,7 +42,7 @@ from tierio.data.ring import FieldRing, RingBatch
 from tierio.data.options import StreamingOptions
 from tierio.data.position import STATE_FORMAT, STATE_VERSION, EpochSplit, Positioned, check_state, runs_of
 from tierio.data.shards import ShardManifest, load_manifest
-from tierio.data.wire import rows_in_worker
+from tierio.data.wire import columns, take_rows
 from tierio.data.workers import current_worker
 from tierio.dist import rank_world
 from tierio.errors import ConfigError, FormatError
@@ -360,17 +360,21 @@ class StreamingDataset(Positioned, _Base):  # type: ignore[misc,valid-type]
         from torch.utils.data import get_worker_info
 
         plain_worker = get_worker_info() is not None and self.transform is None  # see tierio.data.wire
+        fields = self.fixed_fields() if plain_worker else []
         for at, shards, local in self._my_gathers(self._gather_size()):
-            batch = self._reader.take(shards, local, self.copy)
             if plain_worker:
-                batch = rows_in_worker(batch)
-            # each field split into its rows once (list() makes the row views in C, several times
-            # cheaper than indexing the array per sample)
-            cols = [(k, list(v)) for k, v in batch.items()]
+                batch = take_rows(lambda out: self._reader.take(shards, local, True, out), fields, len(local))
+            else:
+                batch = self._reader.take(shards, local, self.copy)
+            cols = columns(batch)
             for i, end in enumerate((at + 1).tolist()):
                 self._cur_pos = end
                 sample = {k: col[i] for k, col in cols}
                 yield self.transform(sample) if self.transform is not None else sample
+
+    def fixed_fields(self) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+        """(name, dtype, row shape) of each fixed-size field: what a shared-memory slot can hold."""
+        return [(t.name, t.dtype, t.shape) for t in self.manifest.types if not t.variable]
 
     def batched(self, drop_last: bool = False) -> BatchStream:
         """This dataset as an iterable of whole batches, for ``DataLoader(..., batch_size=None)``."""
@@ -435,7 +439,7 @@ class BatchStream(_Base):  # type: ignore[misc,valid-type]
 
     def ring_fields(self) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
         """The fixed-size fields of the dataset: what a FieldRing slot can hold."""
-        return [(t.name, t.dtype, t.shape) for t in self.dataset.manifest.types if not t.variable]
+        return self.dataset.fixed_fields()
 
     def use_ring(self, ring: FieldRing | None) -> None:
         self.ring = ring

@@ -56,6 +56,11 @@ class TokenWindowDataset(Positioned):
 
     def __getitems__(self, indices: list[int]) -> dict[str, Any]:
         """A whole batch in one gather (the DataLoader calls this when it exists)."""
+        p0 = self.split.run_start(indices)
+        view = self.run_view() if p0 is not None else None
+        if view is not None:  # a sequential batch: one converting copy of a slice
+            n = len(indices)
+            return window_output(self._ring, n, self.seq_len, lambda rows: rows.__setitem__(slice(0, n), view[p0 : p0 + n]))
         idx = np.asarray(indices, dtype=np.int64)
         starts = self.split.positions_of(idx) * self.seq_len
         return window_output(self._ring, len(idx), self.seq_len, lambda rows: self._fill(rows, starts))
@@ -73,16 +78,24 @@ class TokenWindowDataset(Positioned):
     def copy_run(self, out: np.ndarray, rows: np.ndarray, first: int, count: int) -> None:
         """Copy this rank's windows ``first .. first + count - 1`` into ``out[rows]``: a blend's
         sequential batch takes a run of consecutive windows from each source."""
-        split = self.split
-        if count > 1 and split.world_size == 1 and split.fresh and isinstance(self._tokens, np.ndarray):
-            if not 0 <= first <= first + count <= split.share:
-                raise IndexError(f"windows [{first}, {first + count}) outside this rank's {split.share}")
-            # window i starts at token i * seq_len: the run is one strided view, no per-window lookups
-            tokens, step = self._tokens, self.seq_len * self._tokens.itemsize
-            out[rows] = np.ndarray((count, self.seq_len + 1), tokens.dtype, tokens, first * step,
-                                   (step, tokens.itemsize))
+        view = self.run_view() if count > 1 else None
+        if view is None:
+            self.copy_windows(out, rows, np.arange(first, first + count, dtype=np.int64))
             return
-        self.copy_windows(out, rows, np.arange(first, first + count, dtype=np.int64))
+        if not 0 <= first <= first + count <= len(view):
+            raise IndexError(f"windows [{first}, {first + count}) outside this rank's {len(view)}")
+        out[rows] = view[first : first + count]
+
+    def run_view(self) -> np.ndarray | None:
+        """Every window as one strided ``[windows, seq_len + 1]`` view of the tokens when sample ``i``
+        is window ``i`` (one rank, nothing consumed, a mapped ``.bin``), else None. A run of samples
+        is then a slice of it: no per-window lookups."""
+        split = self.split
+        if split.world_size != 1 or not split.fresh or not isinstance(self._tokens, np.ndarray):
+            return None
+        tokens, step = self._tokens, self.seq_len * self._tokens.itemsize
+        # window i starts at token i * seq_len; the last one ends at token total * seq_len + 1 <= num_tokens
+        return np.ndarray((split.total, self.seq_len + 1), tokens.dtype, tokens, 0, (step, tokens.itemsize))
 
     def _run(self, starts: np.ndarray) -> np.ndarray | None:
         """Evenly spaced windows (sequential batches) as one strided view of the tokens, else None."""

@@ -13,7 +13,12 @@ straight into the next free slot of the worker's :class:`WireRing`, one segment 
 made once per worker, and only a :class:`WireSlot` (segment name, slot, dtype, shape: ~150 bytes)
 crosses the pipe. The loop maps the segment once per worker and turns each slot into a tensor
 over it; the slot is free again when the last view of that tensor is gone. The loop gets the same
-tensor type as without workers, and the batch is copied once, in the worker.
+tensor type as without workers.
+
+The dataset takes each gather of samples from its shards straight into slots of the ring
+(:func:`take_rows`, one slot per fixed-size field). When the DataLoader collates exactly one
+gather's rows, in order (the usual case: the gather is a batch), that slot crosses as it is, so
+the batch is copied once, from the shard; any other batch is stacked into a fresh slot.
 
 A slot holds a batch of the largest fixed-size field, as many rows as the first batch; a ring has
 up to WIRE_SLOTS slots in WIRE_RING_BYTES. Without a free slot (the loop keeps many batches alive),
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import operator
 import os
 import secrets
 import weakref
@@ -210,9 +216,80 @@ def _worker_ring(nbytes: int, rows: int) -> WireRing | None:
     return _ring
 
 
+class _Gather:
+    """One field of a gather taken into a ring slot: free again when its rows are gone, unless a
+    batch took the slot as it is (the loop frees it then)."""
+
+    __slots__ = ("ring", "slot", "ids", "handed")
+
+    def __init__(self, ring: WireRing, slot: int) -> None:
+        self.ring, self.slot, self.handed = ring, slot, False
+        self.ids: list[int] = []
+
+
+def _drop_gather(g: _Gather) -> None:
+    if not g.handed:
+        g.ring.flags[g.slot] = FREE
+
+
+def take_rows(take: Any, fields: list[tuple[str, Any, tuple[int, ...]]], n: int) -> dict[str, Any]:
+    """In a DataLoader worker: ``take(out)`` (a gather of ``n`` samples, writing fixed-size fields
+    into the arrays of ``out``) with each field's arrays in a slot of this worker's ring, viewed as
+    Row. Fields without a free slot are taken into private memory, as before."""
+    global _largest_row_bytes
+    sizes = [(name, np.dtype(dt), tuple(shape)) for name, dt, shape in fields]
+    row_bytes = max((math.prod(shape) * dt.itemsize for _, dt, shape in sizes), default=0)
+    _largest_row_bytes = max(_largest_row_bytes, row_bytes)
+    ring = _worker_ring(n * row_bytes, n) if sizes else None
+    out: dict[str, np.ndarray] = {}
+    slots: dict[str, int] = {}
+    for name, dt, shape in sizes if ring is not None else ():
+        slot = ring.acquire() if n * math.prod(shape) * dt.itemsize <= ring.slot_bytes else None  # type: ignore[union-attr]
+        if slot is not None:
+            slots[name], out[name] = slot, ring.view(slot, dt, (n, *shape))  # type: ignore[union-attr]
+    try:
+        batch = take(out or None)
+    except BaseException:
+        for slot in slots.values():
+            ring.flags[slot] = FREE  # type: ignore[union-attr]
+        raise
+    rows = rows_in_worker(batch)
+    for name, slot in slots.items():
+        v = rows[name]
+        if isinstance(v, Row) and v.base is out[name]:  # taken in place: the slot holds the gather
+            g = v._wire = _Gather(ring, slot)  # type: ignore[arg-type]
+            weakref.finalize(v, _drop_gather, g)
+        else:
+            ring.flags[slot] = FREE  # type: ignore[union-attr]
+    return rows
+
+
+def columns(rows: dict[str, Any]) -> list[tuple[str, list[Any]]]:
+    """Each field split into its samples (``list()`` makes the row views in C, several times cheaper
+    than indexing per sample); a gather in a slot remembers which row objects it handed out."""
+    cols = [(k, list(v)) for k, v in rows.items()]
+    for k, col in cols:
+        g = getattr(rows[k], "_wire", None)
+        if g is not None:
+            g.ids = list(map(id, col))
+    return cols
+
+
+def _whole_gather(batch: list[Row]) -> _Gather | None:
+    """The gather whose slot holds exactly ``batch``: its row objects, all of them, in order."""
+    g = getattr(batch[0].base, "_wire", None)
+    if g is None or g.handed or len(batch) != len(g.ids) or not all(map(operator.eq, g.ids, map(id, batch))):
+        return None
+    return g
+
+
 def collate_rows(batch: list[Row], *, collate_fn_map: Any = None) -> WireTensor | WireSlot:
     first = batch[0]
     shape = (len(batch), *first.shape)
+    whole = _whole_gather(batch)
+    if whole is not None:  # the rows are already in a slot, in order: it crosses as it is
+        whole.handed = True
+        return WireSlot(whole.ring, whole.slot, first.dtype, shape)
     nbytes = math.prod(shape) * first.dtype.itemsize
     ring = _worker_ring(nbytes, len(batch))
     slot = ring.acquire() if ring is not None else None
