@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -89,6 +90,25 @@ def test_promotion_runs_behind_the_persist(tmp_path):
         assert [c.step for c in list_checkpoints(tmp_path / "slow")] == [1]
         st = mgr.stats()["tiers"]
         assert st[1]["bytes_written"] == st[0]["bytes_written"] > 0
+
+
+def test_held_promotion_starts_on_release_and_never_blocks_close(tmp_path):
+    """A preemption's emergency save holds promotion: a step persisted meanwhile stays on the fast
+    tier until release; a manager closed while holding promotes it on the way out."""
+    with CheckpointManager([tmp_path / "fast", tmp_path / "slow"]) as mgr:
+        mgr.hold_promotion()
+        h = mgr.save(1, make_state(1, n=512))
+        h.persisted.result(timeout=60)
+        time.sleep(0.2)  # time for a promotion that was wrongly started to show
+        assert not h.promoted.done() and list_checkpoints(tmp_path / "slow") == []
+        mgr.hold_promotion(False)
+        h.wait(timeout=60)
+        assert [c.step for c in list_checkpoints(tmp_path / "slow")] == [1]
+        mgr.hold_promotion()
+        h2 = mgr.save(2, make_state(2, n=512))
+        h2.persisted.result(timeout=60)
+    assert h2.promoted.result(timeout=0) == 2  # close() released the hold and waited for it
+    assert [c.step for c in list_checkpoints(tmp_path / "slow")] == [1, 2]
 
 
 def test_background_failure_is_raised_by_the_next_call_and_not_lost(tmp_path):

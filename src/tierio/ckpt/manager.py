@@ -303,6 +303,13 @@ class CheckpointManager:
         if len(self._tiers) > 1:
             self._promoter.submit(self._promoter.run, [step] if step is not None else self.steps()[-1:], None, True).result()
 
+    def hold_promotion(self, held: bool = True) -> None:
+        """Start no promotion to slower tiers while ``held`` (a preemption's emergency save gets the
+        disks and the network to itself); steps persisted meanwhile are promoted on release, or by
+        the next run's manager if the process exits first. A node-local step's global commit is a
+        promotion too: do not hold while waiting for it."""
+        self._promoter.hold(held)
+
     def gc(self) -> list[tuple[str, int]]:
         """Apply retention to every tier this rank leads now and clean up what interrupted writes
         left there (rank 0; a node's lowest rank for its node-local tiers); returns the (tier url,
@@ -321,6 +328,7 @@ class CheckpointManager:
     def close(self) -> None:
         if self._closed:
             return
+        self._promoter.hold(False)  # a hold left behind would keep close() waiting for ever
         try:
             self.wait()
         finally:

@@ -25,7 +25,9 @@ periodic save is lost. With one:
   and waits (in the caller's thread) until the counter reaches the world size. The copy to the
   shared tier is not waited for: a requeued job on the same nodes restores the step from the
   nodes' tier 0 and publishes it (``ckpt.promotion.buddy_restore``). Promotion to slower tiers is
-  left to the next run (its manager finds unpromoted steps). Then the process exits with
+  held from the emergency save's start (no new copy competes with it for the disks or the network;
+  a shared tier 0 too) and left to the next run (its manager finds unpromoted steps), or resumed
+  when ``exit_code=None`` lets the process go on. Then the process exits with
   ``exit_code`` (143, as SIGTERM's default would; ``requeue=True`` also asks SLURM to requeue the
   job from rank 0).
 * **A second signal** during the emergency save ends the process at once: the step being written is
@@ -146,6 +148,8 @@ class Preemption:
         """The emergency save of ``step``: waits until it is durable (within ``grace_seconds`` of the
         signal), then exits the process with ``exit_code`` (returns the handle when that is None)."""
         self.begin(step)
+        if self._counted:  # durable without promotion: it waits until the process goes on or a next run
+            self.manager.hold_promotion()
         handle = self.manager.save(step, state, reason=self.reason)
         self.finish(step, self.durable(handle))
         return handle
@@ -154,14 +158,23 @@ class Preemption:
         """What an emergency save waits for: its commit on a shared tier 0; on a node-local tier 0,
         this rank's part persisted there (``finish`` then waits for every rank's, on the TCPStore).
         Without a process group to count on, node-local saves wait for the global commit."""
-        alone = self.manager.world_size == 1
-        return handle.persisted if self.manager.node_local and (alone or self._store is not None) else handle.committed
+        return handle.persisted if self._counted else handle.committed
+
+    @property
+    def _counted(self) -> bool:
+        """A node-local tier 0 whose emergency save is durable once every rank's part is persisted
+        (counted on the TCPStore, or by the one rank): nothing the promotion thread does is waited
+        for. Without a store, many ranks wait for the global commit, which promotion makes."""
+        m = self.manager
+        return m.node_local and (m.world_size == 1 or self._store is not None)
 
     def begin(self, step: int) -> None:
         """The emergency save of ``step`` starts: from now on a second signal exits at once.
         A framework adapter calls this, has the framework save through its tierio manager with
         ``reason=self.reason``, then calls :meth:`finish`."""
         self._saving = True
+        if not self.manager.node_local:  # a shared tier 0 commits in the save itself, not in promotion
+            self.manager.hold_promotion()  # released in finish(), or left to the next run at exit
         print(f"tierio: emergency save of step {step} ({self.stats.signal or 'requested'})", file=sys.stderr, flush=True)
 
     def finish(self, step: int, *durable: Future[Any]) -> None:
@@ -173,6 +186,13 @@ class Preemption:
 
         def left() -> float:
             return max(0.0, opts.grace_seconds - (time.monotonic() - started))
+        try:
+            self._wait_durable(step, started, left, *durable)
+        finally:  # reached only when the process goes on (exit_code=None): promotion resumes
+            self.manager.hold_promotion(False)
+
+    def _wait_durable(self, step: int, started: float, left: Callable[[], float], *durable: Future[Any]) -> None:
+        opts = self.options
         try:
             for future in durable:
                 future.result(left())

@@ -43,6 +43,8 @@ class Promoter:
         self._gc_lock = threading.Lock()
         self._swept: set[str] = set()  # tiers whose leftovers this manager has cleaned up once
         self._warned_min_keep = False
+        self._hold_lock = threading.Lock()
+        self._held: list[tuple[int, SaveHandle]] | None = None  # persisted while held: promoted on release
         # The scan of slower tiers runs behind construction: a stalled tier must not block it.
         self._scan = self._pool.submit(self._find_unpromoted)
 
@@ -52,9 +54,26 @@ class Promoter:
     def persisted(self, step: int, handle: SaveHandle) -> None:
         """``step``'s shard is durable on tier 0 (any thread): promote it behind, or finish it."""
         if len(self.tiers) > 1:
+            with self._hold_lock:
+                if self._held is not None:
+                    self._held.append((step, handle))
+                    return
             self._pool.submit(self.run, [step], handle, False)
         else:
             self.done(step, handle)
+
+    def hold(self, held: bool) -> None:
+        """While held, steps persisted are not promoted (an emergency save gets the disks and the
+        network to itself); on release they are, in order. A process that exits while held leaves
+        them to the next run's manager, which finds unpromoted steps."""
+        with self._hold_lock:
+            if held:
+                if self._held is None:
+                    self._held = []
+                return
+            waiting, self._held = self._held or [], None
+        for step, handle in waiting:
+            self._pool.submit(self.run, [step], handle, False)
 
     def publish_later(self, step: int, own: Own, lineage: Lineage) -> None:
         """A step restored from the nodes' tier 0 is committed nowhere yet: publish it behind, as
