@@ -67,10 +67,15 @@ class TokenWindowDataset(Positioned):
 
     def copy_windows(self, out: np.ndarray, rows: np.ndarray, samples: np.ndarray) -> None:
         """Copy this rank's windows ``samples`` into ``out[rows]`` (rows of ``seq_len + 1`` tokens)."""
-        starts = self.split.positions_of(samples) * self.seq_len
+        positions = self.split.positions_of(samples)
+        starts = positions * self.seq_len
         view = self._run(starts)
         if view is not None:
             out[rows] = view
+            return
+        every = self.run_view()
+        if every is not None:  # scattered windows (a blend on many ranks): one gather, not a loop
+            out[rows] = every[positions]
             return
         for r, s in zip(rows.tolist(), starts.tolist()):
             out[r] = self._tokens[s : s + self.seq_len + 1]
