@@ -389,3 +389,18 @@ def test_a_plain_dataloader_with_workers_gets_every_sample_once_as_tensors(local
     assert ids == sorted(int(i) for b in alone for i in b["x"][:, 0]) == list(range(N))
     own = list(DataLoader(ds, batch_size=16, num_workers=2, collate_fn=_as_dicts))
     assert sorted(int(i) for b in own for i in b["x"][:, 0]) == list(range(N))
+
+
+def test_downloads_ahead_wait_for_the_first_shard(local_url, tmp_path):
+    """Shards asked for ahead before any shard is open start downloading once the first one is in
+    hand: they would split the link with the download the first batch waits for."""
+    ds = StreamingDataset(local_url, tmp_path / "cache", shuffle=False)
+    reader = ds._reader
+    reader.prefetch([3, 4])
+    assert reader._pool is None and not reader._pending  # nothing downloads before the first shard
+    reader.shard(0)
+    assert sorted(reader._pending) == [3, 4]
+    for fut in list(reader._pending.values()):
+        fut.result(timeout=30)
+    reader.close()
+    assert not reader._deferred
