@@ -37,7 +37,7 @@ from tierio.storage.base import Store
 from tierio.units import parse_size
 
 from tierio.ckpt.options import CheckpointOptions
-from tierio.ckpt.promotion.buddy import Buddy
+from tierio.ckpt.promotion.buddy import Buddy, check_buddy
 from tierio.ckpt.promotion.buddy_restore import node_copies
 from tierio.ckpt.promotion.cluster import Cluster
 from tierio.ckpt.promotion.copy import copy_pool
@@ -110,12 +110,7 @@ class CheckpointManager:
     def _setup_buddy(self, promote_rate: float | None) -> Buddy:
         """Buddy copies (``promotion.buddy``): the pairing and the buddy group, made here, in the caller's thread."""
         opts, t0 = self.options, self._tiers[0]
-        if not t0.node_local:
-            raise ConfigError("buddy=True copies each node's tier 0 to another node: it needs a node-local tier 0, "
-                              "e.g. Tier('/nvme/ckpt', scope='node')")
-        if opts.incremental:  # a buddy copy carries one shard, not the earlier shards it refers to
-            raise ConfigError("buddy=True and incremental=True cannot be combined: a buddy copy holds one step's "
-                              "shard, not the earlier shards an incremental step refers to; choose one")
+        check_buddy(t0.node_local, opts.incremental)
         rate = _rate(opts.buddy_bandwidth)
         rate = promote_rate if rate is None else rate
         return Buddy.setup(t0.store, self.rank, self.world_size, self._group, self.node, rate or None,
@@ -304,10 +299,7 @@ class CheckpointManager:
             self._promoter.submit(self._promoter.run, [step] if step is not None else self.steps()[-1:], None, True).result()
 
     def hold_promotion(self, held: bool = True) -> None:
-        """Start no promotion to slower tiers while ``held`` (a preemption's emergency save gets the
-        disks and the network to itself); steps persisted meanwhile are promoted on release, or by
-        the next run's manager if the process exits first. A node-local step's global commit is a
-        promotion too: do not hold while waiting for it."""
+        """Start no promotion while ``held`` (``Promoter.hold``: a preemption's emergency save)."""
         self._promoter.hold(held)
 
     def gc(self) -> list[tuple[str, int]]:

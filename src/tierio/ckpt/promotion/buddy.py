@@ -72,6 +72,16 @@ class Pairing:
         return self.partner is not None
 
 
+def check_buddy(node_local: bool, incremental: bool) -> None:
+    """ConfigError where buddy copies cannot work: a shared tier 0, or incremental steps."""
+    if not node_local:
+        raise ConfigError("buddy=True copies each node's tier 0 to another node: it needs a node-local tier 0, "
+                          "e.g. Tier('/nvme/ckpt', scope='node')")
+    if incremental:  # a buddy copy carries one shard, not the earlier shards it refers to
+        raise ConfigError("buddy=True and incremental=True cannot be combined: a buddy copy holds one step's "
+                          "shard, not the earlier shards an incremental step refers to; choose one")
+
+
 def pair(names: Sequence[str], rank: int) -> Pairing:
     """The pairing of ``rank``, given every rank's node name: node i sends to node (i + 1) % nodes,
     each rank to the rank of the same local index there."""

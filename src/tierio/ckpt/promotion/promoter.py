@@ -65,7 +65,8 @@ class Promoter:
     def hold(self, held: bool) -> None:
         """While held, steps persisted are not promoted (an emergency save gets the disks and the
         network to itself); on release they are, in order. A process that exits while held leaves
-        them to the next run's manager, which finds unpromoted steps."""
+        them to the next run's manager, which finds unpromoted steps. A node-local step's global
+        commit is made here too: do not hold while waiting for it."""
         with self._hold_lock:
             if held:
                 if self._held is None:
