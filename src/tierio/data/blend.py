@@ -131,7 +131,6 @@ class BlendedDataset(Positioned):
         windows = all(isinstance(s, TokenWindowDataset) for s in self.sources) and len(lens) == 1
         self.seq_len: int | None = lens.pop() if windows else None  # token windows: batches as one gather
         self._ring: BatchRing | None = None
-        self._views: list[np.ndarray | None] | None = None  # each source's run_view(), once per process
 
     def use_ring(self, ring: BatchRing | None) -> None:
         """Let DataLoader workers write window batches into ``ring`` (blends of token windows)."""
@@ -183,29 +182,19 @@ class BlendedDataset(Positioned):
             (self.source_index[pos], self.sample_index[pos])
         order = np.argsort(src, kind="stable")  # the rows of each source, in blend order
         ends = np.cumsum(np.bincount(src, minlength=len(self.sources))).tolist()
-        if self._views is None:  # made once per process: views of the mapping are not pickled
-            self._views = [s.run_view() for s in self.sources]
         a = 0
         for d, b in enumerate(ends):
             if b > a:
-                rows, length, view = order[a:b], int(self.lengths[d]), self._views[d]
+                rows, length = order[a:b], int(self.lengths[d])
                 first = int(k[rows[0]]) % length
                 # consecutive blend positions take consecutive samples of each source (the rule hands
                 # a source its next sample): a run is one slice per source unless it wraps into the
                 # source's next pass
                 if run and first + (b - a) <= length:
-                    if view is not None:
-                        out[rows] = view[first : first + b - a]
-                    else:
-                        self.sources[d].copy_run(out, rows, first, b - a)
+                    self.sources[d].copy_run(out, rows, first, b - a)
                 else:
                     self.sources[d].copy_windows(out, rows, k[rows] % length)
             a = b
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_views"] = None
-        return state
 
     def _read(self, d: int, k: np.ndarray, single: bool = False) -> Any:
         """Samples ``k`` of source ``d`` (``k`` past its end: its next pass)."""

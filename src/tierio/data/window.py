@@ -60,7 +60,10 @@ class TokenWindowDataset(Positioned):
         view = self.run_view() if p0 is not None else None
         if view is not None:  # a sequential batch: one converting copy of a slice
             n = len(indices)
-            return window_output(self._ring, n, self.seq_len, lambda rows: rows.__setitem__(slice(0, n), view[p0 : p0 + n]))
+
+            def fill(rows: np.ndarray) -> None:
+                rows[:n] = view[p0 : p0 + n]
+            return window_output(self._ring, n, self.seq_len, fill)
         idx = np.asarray(indices, dtype=np.int64)
         starts = self.split.positions_of(idx) * self.seq_len
         return window_output(self._ring, len(idx), self.seq_len, lambda rows: self._fill(rows, starts))

@@ -20,7 +20,7 @@ The dataset takes each gather of samples from its shards straight into slots of 
 gather's rows, in order (the usual case: the gather is a batch), that slot crosses as it is, so
 the batch is copied once, from the shard; any other batch is stacked into a fresh slot.
 
-A slot holds a batch of the largest fixed-size field, as many rows as the first batch; a ring has
+A slot holds the largest fixed-size field of as many rows as the first gather (or batch); a ring has
 up to WIRE_SLOTS slots in WIRE_RING_BYTES. Without a free slot (the loop keeps many batches alive),
 for batches too large for a ring, or where no shared memory can be made, the batch travels as its
 bytes through the pipe (:class:`WireTensor`).
@@ -34,6 +34,7 @@ import operator
 import os
 import secrets
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -232,7 +233,8 @@ def _drop_gather(g: _Gather) -> None:
         g.ring.flags[g.slot] = FREE
 
 
-def take_rows(take: Any, fields: list[tuple[str, Any, tuple[int, ...]]], n: int) -> dict[str, Any]:
+def take_rows(take: Callable[[dict[str, np.ndarray] | None], dict[str, Any]],
+              fields: list[tuple[str, Any, tuple[int, ...]]], n: int) -> dict[str, Any]:
     """In a DataLoader worker: ``take(out)`` (a gather of ``n`` samples, writing fixed-size fields
     into the arrays of ``out``) with each field's arrays in a slot of this worker's ring, viewed as
     Row. Fields without a free slot are taken into private memory, as before."""
