@@ -462,3 +462,35 @@ def test_s3_tier_lease(tmp_path, s3_url):
             assert second.stats()["pending_promotions"] == [2]
         assert steps(s3_url) == [1]
     assert read_lease(open_store(s3_url)) is None
+
+
+@pytest.mark.parametrize("node_local", [False, True])
+def test_threads_writing_a_tier_first_at_once_take_one_lease(tmp_path, node_local):
+    """A persist and a promotion thread can both be the first to write a tier (a restored step
+    published while the next save persists). They must take one lease between them: a second
+    take-over by the same run left the first thread's generation stale, and its commit was then
+    fenced off as if another run held the tier (seen in the crash enumeration under load)."""
+    root = str(tmp_path / ("nvme" if node_local else "shared"))
+    leases = TierLeases("job", 0, 1)
+    start_line = threading.Barrier(8)
+    errors: list[BaseException] = []
+
+    def first_write() -> None:
+        try:
+            start_line.wait()
+            leases.ensure(open_store(root), leader=True, node_local=node_local)
+            leases.fence(open_store(root))
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=first_write) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        assert not errors, errors
+        seen = look(open_store(root))
+        assert seen.holder.run == "job" and leases.fence(open_store(root)) == seen.generation
+    finally:
+        leases.close()

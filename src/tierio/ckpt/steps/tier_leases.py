@@ -55,6 +55,7 @@ class TierLeases:
         self._locks: dict[str, int] = {}  # url -> flocked node-tier lock file
         self._lost: dict[str, str] = {}  # url -> why this run no longer writes there
         self._lock = threading.Lock()
+        self._taking: dict[str, threading.Lock] = {}  # url -> held while one thread takes or joins its lease
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -66,6 +67,18 @@ class TierLeases:
             if store.url in self._ok:
                 self._check_locked(store.url)
                 return
+            taking = self._taking.setdefault(store.url, threading.Lock())
+        # One thread at a time per tier: a persist and a promotion thread both writing first would
+        # otherwise both take the lease, the second taking it over from the first (same run id),
+        # and the first's commits would then be fenced off as if another run held the tier.
+        with taking:
+            with self._lock:
+                if store.url in self._ok:
+                    self._check_locked(store.url)
+                    return
+            self._take(store, leader, node_local)
+
+    def _take(self, store: Store, leader: bool, node_local: bool) -> None:
         if self.run is None:
             # A guess (any live lease of a job of this size) could join another job's lease.
             raise ConfigError(
