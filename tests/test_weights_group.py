@@ -5,10 +5,12 @@ source; a rank killed with SIGKILL is named, the others retry without it, and no
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
 import signal
+import traceback
 from datetime import timedelta
 
 import torch
@@ -51,17 +53,25 @@ def _run(worker, world: int, root) -> list[int | None]:
     return [p.exitcode for p in procs]
 
 
-def _report(root: str, rank: int, result: dict) -> None:
-    with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+@contextlib.contextmanager
+def _reporting(root: str, rank: int):
+    """The rank's result dict, written for the test to read when the block ends; an unexpected
+    exception goes into it rather than out of the rank."""
+    result: dict = {}
+    try:
+        yield result
+    except Exception:
+        result["unexpected"] = traceback.format_exc()[-1500:]
+    finally:
+        with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
 
 
 def _one_node_worker(rank: int, root: str, init: str) -> None:
     import tierio.weights as weights
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=4, timeout=timedelta(seconds=60))
-    result: dict = {}
-    try:
+    with _reporting(root, rank) as result:
         d = os.path.join(root, "m")
         want = load(d)
         st = weights.LoadStats()
@@ -102,12 +112,7 @@ def _one_node_worker(rank: int, root: str, init: str) -> None:
         del got  # mapped tensors hold their mapping (and Python's mmap a descriptor) until dropped
         gc.collect()
         result["memfds_after"] = _memfds()
-    except Exception:  # reported by the test, which reads the file
-        import traceback
-        result["unexpected"] = traceback.format_exc()[-1500:]
-    finally:
-        _report(root, rank, result)
-        dist.destroy_process_group()
+    dist.destroy_process_group()
 
 
 def test_one_node_four_ranks_share_node_memory_keep_private_pages_and_reread_a_damaged_part(tmp_path):
@@ -136,8 +141,7 @@ def _nodes_worker(rank: int, root: str, init: str) -> None:
     from tierio.errors import GroupError
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=4, timeout=timedelta(seconds=60))
-    result: dict = {}
-    try:
+    with _reporting(root, rank) as result:
         d = os.path.join(root, "m")
         want = load(d)
         for label, layout in (("2x2", "aabb"), ("3+1", "aaab"), ("alone", "abcd")):
@@ -169,12 +173,7 @@ def _nodes_worker(rank: int, root: str, init: str) -> None:
         result["retry_exchange"] = st.extra.get("group_exchange")
         gc.collect()
         result["memfds_after"] = _memfds()
-    except Exception:  # reported by the test, which reads the file
-        import traceback
-        result["unexpected"] = traceback.format_exc()[-1500:]
-    finally:
-        _report(root, rank, result)
-        os._exit(0)  # the group lost a rank: no collective teardown
+    os._exit(0)  # the group lost a rank: no collective teardown
 
 
 def test_simulated_nodes_exchange_across_nodes_and_a_killed_rank_is_named_then_left_out(tmp_path):
