@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,28 +135,36 @@ def _copy_group(scratch: np.ndarray, at: np.ndarray, a: int, b: int, which: np.n
     _copy_out(scratch, at[req - a] + mine[:, 0] - starts[req], mine[:, 2], mine[:, 1], dest)
 
 
+@contextmanager
+def _scratch(sizes: np.ndarray, most: int) -> Iterator[tuple[HostBuffer, np.ndarray]]:
+    """A buffer holding a group of requests of ``sizes`` back to back, and where each lands in it:
+    from the shared pool when the group fits ``most`` bytes, else one of its own (pieces packed
+    closer than a block merge into requests of any length)."""
+    at = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=at[1:])
+    total = int(at[-1])
+    pool = shared_pool("gather", SCRATCH_BUDGET)
+    buf = pool.acquire(total) if total <= most else HostBuffer(total, pin=False)
+    try:
+        yield buf, at
+    finally:
+        if total <= most:
+            pool.release(buf)
+
+
 def _gather(fd: int, where: str, pieces: np.ndarray, dest: np.ndarray, block: int, direct: bool,
             depth: int, use_aio: bool) -> Gathered:
     pieces = split_long(pieces, BATCH_BYTES // 2)
     starts, ends, needs, which = requests(pieces, block)
     sizes = ends - starts
-    pool = shared_pool("gather", SCRATCH_BUDGET)
 
     def body(span: tuple[int, int]) -> None:
         a, b = span
-        at = np.zeros(b - a + 1, dtype=np.int64)  # where each request lands in the batch's scratch
-        np.cumsum(sizes[a:b], out=at[1:])
-        total = int(at[-1])
-        # pieces packed closer than a block merge into requests of any length: those get their own buffer
-        buf = pool.acquire(total) if total <= BATCH_BYTES else HostBuffer(total, pin=False)
-        try:
+        with _scratch(sizes[a:b], BATCH_BYTES) as (buf, at):
             view, unaligned = buf.view, direct and block < ALIGN
             for lo, n, end, put in zip(starts[a:b].tolist(), sizes[a:b].tolist(), needs[a:b].tolist(), at.tolist()):
                 _read(fd, view[put : put + n], lo, end - lo, where, unaligned)
             _copy_group(buf.array, at, a, b, which, pieces, starts, dest)
-        finally:
-            if total <= BATCH_BYTES:
-                pool.release(buf)
 
     if direct and use_aio and aio.available():
         try:
@@ -177,17 +187,12 @@ def _gather_aio(fd: int, where: str, pieces: np.ndarray, dest: np.ndarray, start
         ctx = aio.thread_context(AIO_DEPTH)
     except OSError as exc:
         raise _NoContext() from exc
-    pool = shared_pool("gather", SCRATCH_BUDGET)
     ends = np.cumsum(sizes)
     a = 0
     while a < len(starts):
         # a group of requests fitting the scratch (at least one, however large)
         b = max(a + 1, int(np.searchsorted(ends, ends[a] - sizes[a] + AIO_SCRATCH_BYTES, side="right")))
-        at = np.zeros(b - a + 1, dtype=np.int64)
-        np.cumsum(sizes[a:b], out=at[1:])
-        total = int(at[-1])
-        buf = pool.acquire(total) if total <= AIO_SCRATCH_BYTES else HostBuffer(total, pin=False)
-        try:
+        with _scratch(sizes[a:b], AIO_SCRATCH_BYTES) as (buf, at):
             try:
                 got = ctx.read(fd, starts[a:b], sizes[a:b], address_of(buf.array) + at[:-1].astype(np.uint64))
             except OSError as exc:
@@ -201,9 +206,6 @@ def _gather_aio(fd: int, where: str, pieces: np.ndarray, dest: np.ndarray, start
                 lo, n = int(starts[a + j]), int(sizes[a + j])
                 _read(fd, buf.view[int(at[j]) : int(at[j]) + n], lo, int(needs[a + j]) - lo, where, False)
             _copy_group(buf.array, at, a, b, which, pieces, starts, dest)
-        finally:
-            if total <= AIO_SCRATCH_BYTES:
-                pool.release(buf)
         a = b
 
 
