@@ -3,9 +3,11 @@
 Each round (``bench.common.alternate`` order, page cache irrelevant: the bytes come over S3):
 every rank loads the whole model independently (4 × the model from the server), and the 4 ranks
 load it cooperatively (``weights.load_group``: each byte from the server once, shared through the
-node's memory, the ranks being on one node). Rank 0 times both between barriers; ``--only group``
-runs this part alone. Bytes from the server count the data GETs of every
-rank plus the header probes each rank's ``resolve`` makes.
+node's memory, the ranks being on one node), and cooperatively through the node's weight cache
+(``cache=``: the first such load fills it from the group's stream, the next ones read the node's
+copy with no exchange). Rank 0 times each between barriers; ``--only group`` runs this part alone.
+Bytes from the server count the data GETs of every rank plus the header probes each rank's
+``resolve`` makes.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ def _worker(rank: int, url: str, init: str, rounds: int, out: str) -> None:
     import torch.distributed as dist
 
     from tierio.bench.common import alternate
-    from tierio.weights import LoadStats, load, load_group
+    from tierio.weights import LoadStats, WeightCache, load, load_group
     from tierio.weights.sources import HEAD_PROBE, resolve
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=RANKS)
-    got: dict[str, list[int]] = {"independent": [], "group": []}
+    got: dict[str, list[int]] = {"independent": [], "group": [], "group_cached": []}
+    cache = WeightCache(Path(out, "node-cache"), "64GiB")
+    fills: list[str] = []  # how each cached round went: "filled" (the first) or "hit"
 
     def side(name: str, fn):
         def run() -> float:
@@ -39,13 +43,17 @@ def _worker(rank: int, url: str, init: str, rounds: int, out: str) -> None:
             seconds = time.perf_counter() - t0
             del loaded
             got[name].append(st.remote_bytes)
+            if name == "group_cached":
+                fills.append(str(st.extra.get("cache")))
             return seconds
         return run
 
     secs = alternate({"independent": side("independent", lambda st: load(url, stats=st)),
-                      "group": side("group", lambda st: load_group(url, stats=st))}, rounds)
+                      "group": side("group", lambda st: load_group(url, stats=st)),
+                      "group_cached": side("group_cached", lambda st: load_group(url, stats=st, cache=cache))}, rounds)
     probes = sum(min(s.size, HEAD_PROBE) for s in resolve(url, read_headers=False).shards)
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"seconds": secs, "bytes": got, "probe_bytes": probes}))
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"seconds": secs, "bytes": got, "probe_bytes": probes,
+                                                          "cache": fills}))
     dist.destroy_process_group()
 
 
@@ -76,9 +84,16 @@ def run_group(work: Path, model: Path, rounds: int) -> tuple[dict, dict[str, flo
     res = [json.loads((work / f"rank{r}.json").read_text()) for r in range(RANKS)]
     secs = res[0]["seconds"]
     per_round = [sum(r["bytes"]["group"][i] + r["probe_bytes"] for r in res) for i in range(len(secs["group"]))]
+    cached = list(zip(secs.pop("group_cached"), res[0]["cache"]))
+    fill = [t for t, how in cached if how == "filled"]
+    hits = [t for t, how in cached if how == "hit"]
+    secs.update({"group_cache_fill": fill, "group_cache_hit": hits})
     out = {"ranks": RANKS, "model_bytes": shard_bytes, "seconds": secs, "group_source_bytes": per_round}
     ratios = {"group_source_bytes_vs_model": max(per_round) / shard_bytes,
               "group_load_vs_independent": min(secs["independent"]) / min(secs["group"])}
+    if fill and hits:  # what the node cache costs once and saves each later start
+        ratios["group_cache_fill_vs_group"] = fill[0] / min(secs["group"])
+        ratios["group_load_vs_cache_hit"] = min(secs["group"]) / min(hits)
     return out, ratios
 
 

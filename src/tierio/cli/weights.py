@@ -22,6 +22,8 @@ examples:
   tierio weights load ./llama/ --tp 4 --rank 1           rank 1's tensor-parallel slices only (rules from config.json)
   tierio weights shard ./llama/ ./llama-tp4 --tp 4       one file per rank; then: load ./llama-tp4 --tp 4 --rank 1
   torchrun --nproc-per-node 4 -m tierio weights load "s3://models/llama?endpoint=..." --group
+  torchrun --nproc-per-node 4 -m tierio weights load "s3://models/llama?endpoint=..." --group --cache-dir /nvme/weights
+                                                         the same through each node's cache: filled once, then read from it
   tierio weights fetch "s3://models/llama?endpoint=http://127.0.0.1:8333" --cache-dir /nvme/weights
   tierio weights load "s3://models/llama?endpoint=http://127.0.0.1:8333" --cache-dir /nvme/weights --device cuda
   tierio weights cache --cache-dir /nvme/weights         what the cache holds, least recently used first
@@ -134,8 +136,8 @@ def _load_group(args, dtype, keys, shard, stats, progress):
 
     from tierio.weights import TensorParallel, load_group
 
-    if args.device != "cpu" or args.cache or args.via_cache:
-        raise ConfigError("--group loads into CPU memory from the source: drop --device/--cache-dir")
+    if args.device != "cpu":
+        raise ConfigError("--group loads into CPU memory: drop --device (move the tensors after the load)")
     if "RANK" not in os.environ:
         raise ConfigError("--group needs torchrun (RANK, WORLD_SIZE, MASTER_ADDR in the environment): "
                           "torchrun --nproc-per-node N -m tierio weights load SOURCE --group")
@@ -143,7 +145,8 @@ def _load_group(args, dtype, keys, shard, stats, progress):
         dist.init_process_group("gloo")
     if shard is not None and args.rank is None:  # each rank of the group takes its own slices
         shard = TensorParallel(dist.get_rank() % args.tp, args.tp)
-    tensors = load_group(args.source, keys=keys, shard=shard, stats=stats, progress=progress)
+    cache = _cache(args) if args.cache or args.via_cache else None  # each node's cache: warm nodes serve, cold ones fill
+    tensors = load_group(args.source, keys=keys, shard=shard, stats=stats, progress=progress, cache=cache)
     return {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in tensors.items()}
 
 
@@ -155,8 +158,9 @@ def _tp(args):
         if args.rank is not None:
             raise ConfigError("--rank needs --tp N (the tensor-parallel degree)")
         return None
-    if args.cache or args.via_cache:
-        raise ConfigError("--tp reads a rank's slices from the source; it does not go through the weight cache (drop --cache-dir)")
+    if (args.cache or args.via_cache) and not args.group:
+        raise ConfigError("--tp alone reads a rank's slices from the source, not through the weight cache: "
+                          "drop --cache-dir, or load as a group (--group) whose nodes fill and share their caches")
     return TensorParallel(args.rank or 0, args.tp)
 
 

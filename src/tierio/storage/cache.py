@@ -162,6 +162,14 @@ class NodeCache(RoomKeeping):
                               "before it can be used: raise {setting} or run fewer readers at once",
                               self.options.limit_setting)
 
+    def lookup(self, key: str, kind: Kind, usable: Callable[[Path], bool] | None = None) -> Pin | None:
+        """Pin ``key``'s entry if it is present and usable; None on a miss (nothing is filled).
+        Waits, as ``get`` does, while another process fills or replaces it."""
+        pin = self._pin_if_usable(entry_name(key), kind, usable, key, time.monotonic() + self.options.fill_wait)
+        if pin is not None:
+            events.emit(events.CacheLookup(self.options.name, True))
+        return pin
+
     def _pin_if_usable(self, name: str, kind: Kind, usable: Callable[[Path], bool] | None, key: str,
                        until: float) -> Pin | None:
         fd = self._lock_until(name, key, fcntl.LOCK_SH, until)  # waits while another process fills or replaces it

@@ -208,7 +208,7 @@ class _Request:
 
     # -- a miss -----------------------------------------------------------------------------------
     def plan(self) -> FillPlan:
-        src = resolve(self.url)
+        src = self.src or resolve(self.url)  # a group's fill has resolved it already
         check_listing(src)
         self.src = src
         self._companions = companion_sizes(src)

@@ -1,8 +1,10 @@
 """Cooperative loads: the ranks of a process group read a model from its source once between them.
 
 The model's tensor bytes, shard after shard, form one stream cut into windows of N parts
-(``chunk_bytes`` each, N = the group's size). Rank r reads part r of every window from the source
-(S3 or a shared filesystem) and checksums it (xxh3). How the parts reach the other ranks:
+(``chunk_bytes`` each, N readers). The readers are every rank of the group, or, with ``cache=``,
+the ranks whose node already holds a copy (``group_cache``). The i-th reader reads part i of every
+window from the source (S3 or a shared filesystem) or its copy, and checksums it (xxh3). How the
+parts reach the other ranks:
 
 * Ranks of one node (``tierio.dist.node_key``: ``TIERIO_NODE``, else host, boot id and pid
   namespace) share one memory file (``node_share``): each rank reads its parts straight into it,
@@ -14,22 +16,20 @@ The model's tensor bytes, shard after shard, form one stream cut into windows of
   ``mapped=False`` or ``shard=`` (its tensor-parallel slices) copies of its own. On a 2-core VM the
   loopback sockets cost about as much CPU per byte as the S3 GETs; memory costs a page mapping.
 * Where a node cannot make that file (too little memory, no memfd) or every rank is alone on its
-  node: the parts and checksums are exchanged with ``all_gather`` (gloo on CPU), every rank checks
+  node: the parts and checksums are exchanged with ``all_gather`` (gloo on CPU; a broadcast per
+  reader when only some ranks read), every rank checks
   what it received and re-reads a failed part, and copies out of the window what it keeps (cut when
   a tensor is complete, so at most a window and the tensors crossing it are held beyond it).
 
 A rank that dies breaks its connections at once; one that stops answering is given up after the
-process group's timeout (``init_process_group(timeout=...)``). Every rank stamps a key of the
-group's store twice a second, so the others raise a GroupError naming the ranks whose stamps
-stopped.
+process group's timeout (``init_process_group(timeout=...)``); the others raise a GroupError naming
+the ranks that stopped (``group_ranks.Liveness``).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -40,10 +40,12 @@ from tierio.errors import GroupError
 from tierio.format.safetensors import TensorEntry, torch_dtype
 from tierio.io.buffers import ALIGN
 from tierio.io.checksum import xxh3_int
-from tierio.dist import node_key
 from tierio.io.engine import drain, settle_all, submit
 from tierio.weights.engine import DEFAULT_DEPTH, Counters, ShardReader
-from tierio.weights.loader import Timer, _view
+from tierio.weights.cache import WeightCache
+from tierio.weights.group_ranks import Agreed, Liveness, Nodes, agree, lost
+from tierio.weights.group_cache import NodeCopy, fill_while, layout, peek
+from tierio.weights.loader import ReadSpec, Timer, _view, load_resolved
 from tierio.weights.node_share import SharedStream, share
 from tierio.weights.options import LoadOptions
 from tierio.weights.sliced import cut, with_rules
@@ -52,7 +54,6 @@ from tierio.weights.stats import LoadStats
 from tierio.weights.tp import Take, TensorParallel
 
 log = logging.getLogger(__name__)
-STAMP_S = 0.5  # how often a rank stamps its key; a rank whose stamp stands still for 4 of these is gone
 
 
 @dataclass
@@ -111,192 +112,186 @@ def _wanted(src: ModelSource, stream: Stream, spec: TensorParallel | None, keys:
     return sorted(out, key=lambda w: w.start)
 
 
-class Liveness:
-    """Each rank stamps ``prefix/rank`` on the group's store; ``gone()`` names the still ones."""
-
-    def __init__(self, store: Any, prefix: str, rank: int, size: int) -> None:
-        self.store, self.prefix, self.rank, self.size = store, prefix, rank, size
-        self._stop = threading.Event()
-        self._beats = 0
-        self._thread = threading.Thread(target=self._run, name="tierio-group-stamp", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(STAMP_S):
-            self._beats += 1
-            try:
-                self.store.set(f"{self.prefix}/{self.rank}", str(self._beats))
-            except Exception:  # the store's host is gone: the collectives report it
-                return
-
-    def _stamps(self) -> list[bytes | None]:
-        out: list[bytes | None] = []
-        for r in range(self.size):
-            try:
-                out.append(self.store.get(f"{self.prefix}/{r}") if self.store.check([f"{self.prefix}/{r}"]) else None)
-            except Exception:
-                out.append(None)
-        return out
-
-    def gone(self) -> list[int]:
-        before = self._stamps()
-        time.sleep(4 * STAMP_S)
-        after = self._stamps()
-        return [r for r in range(self.size) if r != self.rank and (after[r] is None or after[r] == before[r])]
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2 * STAMP_S)
-
-
-@dataclass(frozen=True)
-class Nodes:
-    """The group's ranks by node: ``of[r]`` is rank r's node, ``ranks[m]`` node m's ranks (ascending)."""
-
-    of: list[int]
-    ranks: list[list[int]]
-
-    @classmethod
-    def from_keys(cls, keys: list[str]) -> Nodes:
-        index: dict[str, int] = {}
-        of = [index.setdefault(k, len(index)) for k in keys]
-        return cls(of, [[r for r, m in enumerate(of) if m == n] for n in range(len(index))])
-
-    def receiver(self, sender: int, node: int) -> int:
-        """The rank of ``node`` that receives ``sender``'s parts from across nodes: the one with the
-        sender's local index, wrapped around when ``node`` has fewer ranks."""
-        peers = self.ranks[node]
-        return peers[self.ranks[self.of[sender]].index(sender) % len(peers)]
-
-
-def _agree(group: Any) -> tuple[Any, Any, str, Nodes]:
-    """(the group, the store, a token naming this load agreed by every rank, the ranks by node)."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d
-
-    group = group if group is not None else dist.group.WORLD
-    got: list[Any] = [None] * dist.get_world_size(group)
-    mine = uuid.uuid4().hex if dist.get_rank(group) == 0 else ""
-    dist.all_gather_object(got, (mine, node_key()), group=group)
-    return group, distributed_c10d._get_default_store(), got[0][0], Nodes.from_keys([k for _, k in got])
-
-
 def load_group(source: str | Any, group: Any = None, shard: TensorParallel | None = None, keys: list[str] | None = None,
-               options: LoadOptions | None = None, **overrides: Any) -> dict[str, torch.Tensor]:
+               options: LoadOptions | None = None, *, cache: WeightCache | None = None,
+               **overrides: Any) -> dict[str, torch.Tensor]:
     """Load ``source`` on every rank of ``group`` (default: the world) reading each byte from the
     source once between them; each rank keeps every tensor (``mapped``, the default: copy-on-write
     views of its node's one copy; ``mapped=False``: its own copies), or with ``shard=`` its slices.
     Collective: every rank of the group calls it. ``options`` as for :func:`load` (``chunk_bytes``
     per rank per window); the group's timeout bounds every wait; ``stats.remote_bytes`` (or
     ``buffered_bytes``) counts what this rank read from the source; ``stats.extra["group_exchange"]``
-    says how the parts went round."""
+    says how the parts went round.
+
+    ``cache`` (a :class:`WeightCache` on each node's disk): ranks whose node holds a usable copy
+    read from it instead of the source, and one rank of every node without one fills it from the
+    load (``stats.extra["cache"]``: "hit", "filled", or why not; see ``weights.group_cache``)."""
     import torch.distributed as dist
 
     o = LoadOptions.resolve(options, overrides)
     stats = o.stats if o.stats is not None else LoadStats()
     with Timer(stats):
-        src = source if isinstance(source, ModelSource) else resolve(source)
-        spec = with_rules(shard, src) if shard is not None else None
+        url = source.url if isinstance(source, ModelSource) else str(source)
+        copy = peek(cache, url) if cache is not None else None
         try:
-            sub, store, token, nodes = _agree(group)
-        except RuntimeError as exc:
-            raise _lost(src.url, dist.get_rank(), [], exc) from None
-        rank, size = dist.get_rank(sub), dist.get_world_size(sub)
-        live = Liveness(store, f"tierio/weights-group/{token}", rank, size)
-        counters = Counters(progress=o.progress)
-        stream = Stream(src, counters)
-        shared: SharedStream | None = None
-        try:
-            wanted = _wanted(src, stream, spec, keys)
-            why = "every rank is alone on its node" if max(map(len, nodes.ranks)) < 2 else ""
-            if not why and stream.size:
-                shared, why = share(stream.size, token, nodes.ranks[nodes.of[rank]][0], rank, sub,
-                                    _writes(stream.size, int(o.chunk_bytes), rank, nodes))
-                if shared is None:
-                    log.warning("cooperative load of %s exchanges over the group only: no node-local memory (%s)", src.url, why)
-            if shared is not None:
-                out = _node_exchange(stream, shared, wanted, sub, rank, nodes, int(o.chunk_bytes), o.mapped, stats)
-                stats.extra["group_exchange"] = f"node-local memory, {len(nodes.ranks)} node(s)"
+            src = copy.source if copy is not None else source if isinstance(source, ModelSource) else resolve(source)
+            spec = with_rules(shard, src) if shard is not None else None
+            try:
+                agreed = agree(group, copy is not None, layout(src) if cache is not None else "")
+            except RuntimeError as exc:
+                raise lost(url, dist.get_rank(), [], exc) from None
+            _check_layouts(url, agreed)
+            if copy is not None and all(agreed.warm):
+                out = _load_copy(copy, spec, keys, o, stats)
             else:
-                out = _exchange(stream, wanted, sub, rank, size, int(o.chunk_bytes), stats)
-                stats.extra["group_exchange"] = f"group ({why})" if why else "group"
-        except RuntimeError as exc:
-            raise _lost(src.url, rank, live.gone(), exc) from None
+                out = _load_parts(src, url, agreed, spec, keys, o, stats, cache)
         finally:
-            if shared is not None:
-                shared.close()
-            stream.close()
-            live.close()
-        stats.source, stats.method, stats.device = src.url, "group", "cpu"
-        stats.add_read(counters, files=len(src.shards))
-        stats.bytes = counters.direct_bytes + counters.buffered_bytes + counters.remote_bytes
-        stats.tensors += len(out)
+            if copy is not None:
+                copy.release()
+        stats.source, stats.device = url, "cpu"
+        rank, size = dist.get_rank(agreed.group), dist.get_world_size(agreed.group)
         stats.extra["group"] = f"rank {rank} of {size}"
         if spec is not None:
             stats.extra["tp"] = f"rank {spec.rank} of {spec.size}"
     return out
 
 
-def _lost(url: str, rank: int, gone: list[int], exc: Exception) -> GroupError:
-    who = f"rank(s) {gone} of the group" if gone else "a rank of the group"
-    return GroupError(f"cooperative load of {url} failed on rank {rank}: {who} stopped answering ({str(exc)[:200]}); "
-                      "restart the load without it, or load independently with weights.load")
+def _check_layouts(url: str, agreed: Agreed) -> None:
+    """Ranks whose cached copy differs from the others' model cannot share a stream."""
+    odd = [r for r, x in enumerate(agreed.layouts) if x != agreed.layouts[0]]
+    if odd:
+        warm = [r for r in [0, *odd] if agreed.warm[r]]
+        raise GroupError(f"cooperative load of {url}: ranks {odd} see other files than rank 0 (a cached copy on "
+                         f"rank(s) {warm} is of another version of the model); evict it from those nodes' caches "
+                         "(WeightCache.evict) and load again")
 
 
-def _windows(size: int, chunk: int, ranks: int) -> list[int]:
-    return list(range(0, size, chunk * ranks))
+def _load_copy(copy: NodeCopy, spec: TensorParallel | None, keys: list[str] | None, o: LoadOptions,
+               stats: LoadStats) -> dict[str, torch.Tensor]:
+    """Every rank's node holds the model: each rank loads from its copy alone."""
+    opts = ReadSpec(mapped=o.mapped, direct=o.direct, keys=keys, chunk_size=int(o.chunk_bytes), depth=o.depth,
+                    progress=o.progress, shard=spec, slice_gap=o.slice_gap_bytes)
+    out = load_resolved(copy.source, opts, stats)
+    stats.method = f"{stats.method}+cache"
+    stats.extra["group_exchange"] = "none (every rank's node has the model cached)"
+    stats.extra["cache"] = "hit"
+    return out
 
 
-def _part(w0: int, r: int, chunk: int, size: int) -> tuple[int, int]:
-    """Stream bytes [lo, hi) of rank r's part of the window starting at ``w0``."""
-    lo = min(w0 + r * chunk, size)
+def _load_parts(src: ModelSource, url: str, agreed: Agreed, spec: TensorParallel | None, keys: list[str] | None,
+                o: LoadOptions, stats: LoadStats, cache: WeightCache | None) -> dict[str, torch.Tensor]:
+    """The parts read by the readers (the ranks holding a cached copy, else every rank) and sent
+    round; on a node where no rank has a copy, its lowest rank fills the cache meanwhile."""
+    import torch.distributed as dist
+
+    sub, nodes = agreed.group, agreed.nodes
+    rank, size = dist.get_rank(sub), dist.get_world_size(sub)
+    readers = [r for r in range(size) if agreed.warm[r]] or list(range(size))
+    live = Liveness(agreed.store, f"tierio/weights-group/{agreed.token}", rank, size)
+    counters = Counters(progress=o.progress)
+    stream = Stream(src, counters)
+    shared: SharedStream | None = None
+    try:
+        wanted = _wanted(src, stream, spec, keys)
+        why = "every rank is alone on its node" if max(map(len, nodes.ranks)) < 2 else ""
+        chunk = int(o.chunk_bytes)
+        if not why and stream.size:
+            shared, why = share(stream.size, agreed.token, nodes.ranks[nodes.of[rank]][0], rank, sub,
+                                _writes(stream.size, chunk, rank, nodes, readers))
+            if shared is None:
+                log.warning("cooperative load of %s exchanges over the group only: no node-local memory (%s)", url, why)
+        if shared is not None:
+            how = f"node-local memory, {len(nodes.ranks)} node(s)"
+            exchange = partial(_node_exchange, stream, shared, wanted, sub, rank, nodes, readers, chunk, o.mapped, stats)
+        else:
+            how = f"group ({why})" if why else "group"
+            exchange = partial(_exchange, stream, wanted, sub, rank, readers, chunk, stats)
+        if len(readers) < size:
+            how += f", read from the cached copies of rank(s) {readers}"
+        here = nodes.ranks[nodes.of[rank]]
+        if cache is not None and rank == here[0] and not any(agreed.warm[q] for q in here):
+            out = fill_while(cache, url, src, stream.segments, exchange, stats, counters)
+        else:
+            out = exchange(None)
+        stats.extra["group_exchange"] = how
+    except RuntimeError as exc:
+        raise lost(url, rank, live.gone(), exc) from None
+    finally:
+        if shared is not None:
+            shared.close()
+        stream.close()
+        live.close()
+    stats.method = "group"
+    stats.add_read(counters, files=len(src.shards))
+    stats.bytes = counters.direct_bytes + counters.buffered_bytes + counters.remote_bytes
+    stats.tensors += len(out)
+    return out
+
+
+def _windows(size: int, chunk: int, parts: int) -> list[int]:
+    return list(range(0, size, chunk * parts))
+
+
+def _part(w0: int, i: int, chunk: int, size: int) -> tuple[int, int]:
+    """Stream bytes [lo, hi) of the i-th reader's part of the window starting at ``w0``."""
+    lo = min(w0 + i * chunk, size)
     return lo, min(lo + chunk, size)
 
 
-def _writes(size: int, chunk: int, rank: int, nodes: Nodes) -> list[tuple[int, int]]:
-    """The stream ranges this rank fills in its node's file: its own parts and those it receives
-    from across nodes."""
+def _senders(rank: int, nodes: Nodes, readers: list[int]) -> list[int]:
+    """The readers on other nodes whose parts cross to this rank's node through this rank."""
     here = nodes.of[rank]
-    senders = [rank] + [q for q in range(len(nodes.of)) if nodes.of[q] != here and nodes.receiver(q, here) == rank]
-    return [_part(w0, q, chunk, size) for w0 in _windows(size, chunk, len(nodes.of)) for q in senders]
+    return [q for q in readers if nodes.of[q] != here and nodes.receiver(q, here) == rank]
+
+
+def _writes(size: int, chunk: int, rank: int, nodes: Nodes, readers: list[int]) -> list[tuple[int, int]]:
+    """The stream ranges this rank fills in its node's file: its own parts (a reader's) and those
+    it receives from across nodes."""
+    mine = ([rank] if rank in readers else []) + _senders(rank, nodes, readers)
+    return [_part(w0, readers.index(q), chunk, size) for w0 in _windows(size, chunk, len(readers)) for q in mine]
+
+
+Sink = Callable[[int, memoryview], None]  # stream bytes [lo, lo + len), checked, in stream order (a cache fill)
 
 
 def _node_exchange(stream: Stream, shared: SharedStream, wanted: list[Wanted], group: Any, rank: int, nodes: Nodes,
-                   chunk: int, mapped: bool, stats: LoadStats) -> dict[str, torch.Tensor]:
-    """Read this rank's parts into the node's memory file (the next while this one crosses to the
-    other nodes), gather every part's checksum, verify each part in a private mapping (re-reading
-    a damaged one from the source), keep."""
+                   readers: list[int], chunk: int, mapped: bool, stats: LoadStats,
+                   sink: Sink | None) -> dict[str, torch.Tensor]:
+    """A reader reads its parts into the node's memory file (the next while this one crosses to
+    the other nodes); every rank gathers every part's checksum, verifies each part in a private
+    mapping (re-reading a damaged one from its own stream), feeds ``sink`` and keeps."""
     import torch.distributed as dist
 
-    size, n = stream.size, len(nodes.of)
-    starts = _windows(size, chunk, n)
+    size = stream.size
+    starts = _windows(size, chunk, len(readers))
     buf = shared.bytes
     assert buf is not None
     sums = torch.zeros(len(starts), 2, dtype=torch.int64)
     here = nodes.of[rank]
     others = [m for m in range(len(nodes.ranks)) if m != here]
-    # the parts this rank receives from across nodes: (sender, node-local receiver is this rank)
-    senders = [q for q in range(n) if nodes.of[q] != here and nodes.receiver(q, here) == rank]
+    me = readers.index(rank) if rank in readers else -1
+    senders = _senders(rank, nodes, readers)
 
     def read(k: int) -> None:
-        lo, hi = _part(starts[k], rank, chunk, size)
+        lo, hi = _part(starts[k], me, chunk, size)
         shared.writable(lo, hi)
         stream.read(lo, hi, buf[lo:hi])
         sums[k] = torch.tensor([hi - lo, _signed(xxh3_int(memoryview(buf[lo:hi].numpy())))])
 
-    pending = submit(partial(read, 0)) if starts else None
+    pending = submit(partial(read, 0)) if starts and me >= 0 else None
     try:
         for k, w0 in enumerate(starts):
-            assert pending is not None
-            pending.result()
-            pending = submit(partial(read, k + 1)) if k + 1 < len(starts) else None
             works = []
-            lo, hi = _part(w0, rank, chunk, size)
-            if hi > lo:
-                for m in others:
-                    works.append(dist.isend(buf[lo:hi], dist.get_global_rank(group, nodes.receiver(rank, m)), group=group))
+            if me >= 0:
+                assert pending is not None
+                pending.result()
+                pending = submit(partial(read, k + 1)) if k + 1 < len(starts) else None
+                lo, hi = _part(w0, me, chunk, size)
+                if hi > lo:
+                    for m in others:
+                        works.append(dist.isend(buf[lo:hi], dist.get_global_rank(group, nodes.receiver(rank, m)), group=group))
             for q in senders:
-                a, b = _part(w0, q, chunk, size)
+                a, b = _part(w0, readers.index(q), chunk, size)
                 if b > a:
                     shared.writable(a, b)
                     works.append(dist.irecv(buf[a:b], dist.get_global_rank(group, q), group=group))
@@ -305,11 +300,11 @@ def _node_exchange(stream: Stream, shared: SharedStream, wanted: list[Wanted], g
     finally:
         if pending is not None:
             settle_all([pending])
-    every = [torch.zeros_like(sums) for _ in range(n)]
+    every = [torch.zeros_like(sums) for _ in range(len(nodes.of))]
     dist.all_gather(every, sums, group=group)  # also the barrier: every part of every node is in
     mine = shared.private()
     base = mine.tensor()
-    spans = [(_part(w0, r, chunk, size), int(every[r][k][1])) for k, w0 in enumerate(starts) for r in range(n)]
+    spans = [(_part(w0, i, chunk, size), int(every[q][k][1])) for k, w0 in enumerate(starts) for i, q in enumerate(readers)]
     bad: list[tuple[int, int]] = []
 
     def verify(i: int) -> None:
@@ -322,6 +317,8 @@ def _node_exchange(stream: Stream, shared: SharedStream, wanted: list[Wanted], g
     for lo, hi in sorted(bad):  # damaged in the node's file: read here, into this rank's own pages
         stream.read(lo, hi, base[lo:hi])
         stats.extra["parts_read_again"] = stats.extra.get("parts_read_again", 0) + 1
+    if sink is not None and size:
+        sink(0, mine.view[:size])
     out: dict[str, torch.Tensor] = {}
     for w in wanted:
         if w.name in out:
@@ -339,40 +336,51 @@ def _node_exchange(stream: Stream, shared: SharedStream, wanted: list[Wanted], g
     return out
 
 
-def _exchange(stream: Stream, wanted: list[Wanted], group: Any, rank: int, size: int, chunk: int,
-              stats: LoadStats) -> dict[str, torch.Tensor]:
-    """Read this rank's part of every window (the next one while this one is exchanged), exchange,
-    verify, keep."""
+def _exchange(stream: Stream, wanted: list[Wanted], group: Any, rank: int, readers: list[int], chunk: int,
+              stats: LoadStats, sink: Sink | None) -> dict[str, torch.Tensor]:
+    """A reader reads its part of every window (the next one while this one is exchanged); every
+    rank gets every part, verifies it, feeds ``sink`` and keeps."""
     import torch.distributed as dist
 
+    size = dist.get_world_size(group)
     mine = [torch.empty(chunk, dtype=torch.uint8) for _ in range(2)]
-    parts = [torch.empty(chunk, dtype=torch.uint8) for _ in range(size)]
+    parts = [torch.empty(chunk, dtype=torch.uint8) for _ in readers]
     sums = [torch.zeros(2, dtype=torch.int64) for _ in range(size)]
     out: dict[str, torch.Tensor] = {}
-    starts = list(range(0, stream.size, chunk * size))
+    starts = _windows(stream.size, chunk, len(readers))
+    me = readers.index(rank) if rank in readers else -1
 
     def read(k: int) -> torch.Tensor:
-        lo = min(starts[k] + rank * chunk, stream.size)
-        hi = min(lo + chunk, stream.size)
+        lo, hi = _part(starts[k], me, chunk, stream.size)
         stream.read(lo, hi, mine[k % 2])
         return torch.tensor([hi - lo, _signed(xxh3_int(memoryview(mine[k % 2].numpy())[: hi - lo]))])
 
     nxt = 0
-    pending = submit(partial(read, 0)) if starts else None
+    pending = submit(partial(read, 0)) if starts and me >= 0 else None
     try:
         for k, w0 in enumerate(starts):
-            assert pending is not None
-            mine_sum = pending.result()
-            pending = submit(partial(read, k + 1)) if k + 1 < len(starts) else None
+            mine_sum = torch.zeros(2, dtype=torch.int64)
+            if me >= 0:
+                assert pending is not None
+                mine_sum = pending.result()
+                pending = submit(partial(read, k + 1)) if k + 1 < len(starts) else None
             dist.all_gather(sums, mine_sum, group=group)
-            dist.all_gather(parts, mine[k % 2], group=group)
-            for r in range(size):
-                n, want = int(sums[r][0]), int(sums[r][1])
-                if _signed(xxh3_int(memoryview(parts[r].numpy())[:n])) != want:  # damaged on its way: read it here
-                    a = w0 + r * chunk
-                    stream.read(a, a + n, parts[r])
+            if len(readers) == size:
+                dist.all_gather(parts, mine[k % 2], group=group)
+            else:  # only the ranks with a cached copy send
+                for i, q in enumerate(readers):
+                    if q == rank:
+                        parts[i].copy_(mine[k % 2])
+                    dist.broadcast(parts[i], dist.get_global_rank(group, q), group=group)
+            for i, q in enumerate(readers):
+                n, want = int(sums[q][0]), int(sums[q][1])
+                if _signed(xxh3_int(memoryview(parts[i].numpy())[:n])) != want:  # damaged on its way: read it here
+                    a = w0 + i * chunk
+                    stream.read(a, a + n, parts[i])
                     stats.extra["parts_read_again"] = stats.extra.get("parts_read_again", 0) + 1
-            nxt = _deliver(wanted, nxt, parts, w0, min(w0 + chunk * size, stream.size), chunk, out)
+                if sink is not None and n:
+                    sink(w0 + i * chunk, memoryview(parts[i].numpy())[:n])
+            nxt = _deliver(wanted, nxt, parts, w0, min(w0 + chunk * len(readers), stream.size), chunk, out)
     finally:
         if pending is not None:
             settle_all([pending])
