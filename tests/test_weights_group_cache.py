@@ -188,3 +188,46 @@ def test_cli_group_load_through_the_cache_fills_once_then_hits(tmp_path):
         got.append([json.loads(f.read_text())["extra"] for f in outs])
     assert [x.get("cache") for x in got[0]] == ["filled", None]
     assert [x["cache"] for x in got[1]] == ["hit", "hit"] and all(x["group_exchange"].startswith("none") for x in got[1])
+
+
+def _killed_worker(rank: int, root: str, init: str) -> None:
+    """Two simulated nodes, each filling its cache; rank 1 dies by SIGKILL mid-load. Rank 0 is told
+    which rank, its half-made fill is not committed, and alone it loads and fills again."""
+    import signal
+
+    import tierio.weights as weights
+    from tierio.errors import GroupError
+
+    os.environ["TIERIO_NODE"] = f"node-{rank}"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    with _reporting(root, rank) as result:
+        d = os.path.join(root, "m")
+        cache = WeightCache(os.path.join(root, f"cache-{rank}"), "1GiB", chunk_bytes="2MiB")
+
+        def die(done: int, total: int) -> None:
+            if rank == 1 and done > 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        try:
+            weights.load_group(d, chunk_bytes=CHUNK, cache=cache, progress=die)
+        except GroupError as exc:
+            result["error"] = str(exc)
+        result["entries_after_error"] = len(cache.entries())
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method=init + "-again", rank=0, world_size=1, timeout=timedelta(seconds=60))
+        st = weights.LoadStats()
+        result["retry_ok"] = _same(weights.load_group(d, stats=st, chunk_bytes=CHUNK, cache=cache), load(d))
+        result["retry_cache"] = st.extra.get("cache")
+        result["entries"] = len(cache.entries())
+    os._exit(0)  # the first group lost a rank: no collective teardown
+
+
+def test_a_rank_killed_during_a_cached_group_load_is_named_and_no_half_fill_is_committed(tmp_path):
+    _model(tmp_path / "m")
+    assert _run(_killed_worker, 2, tmp_path) == [0, -9]
+    res = json.loads((tmp_path / "rank0.json").read_text())
+    assert "unexpected" not in res, res["unexpected"]
+    assert "rank(s) [1] of the group stopped answering" in res["error"], res
+    assert res["entries_after_error"] == 0
+    assert res["retry_ok"] and res["retry_cache"] == "filled" and res["entries"] == 1
+    assert not any((tmp_path / "cache-0" / ".partial").iterdir())  # the dead fill's scratch went with it
