@@ -157,7 +157,7 @@ class CacheLoad:
         return self.options.device.type == "cpu" and self.options.mapped
 
 
-class _Request:
+class CacheRequest:
     """One fetch or load through the cache, as named steps: a hit is checked (``usable``) and
     loaded (``load_hit``); a miss is planned (``plan``), written (``write``: companion files,
     then the shards downloaded through the writers), verified and recorded (``verify``), and
@@ -348,7 +348,7 @@ class WeightCache:
         o = LoadOptions.resolve(options, overrides)
         stats = o.stats if o.stats is not None else LoadStats()
         with Timer(stats):
-            path, _ = self._through(_Request(self, str(url), None, stats, o.progress))
+            path, _ = self._through(CacheRequest(self, str(url), None, stats, o.progress))
         return path
 
     def load(
@@ -378,7 +378,7 @@ class WeightCache:
         opts = ReadSpec(as_device(device), dtype, list(keys) if keys is not None else None, mapped=o.mapped,
                         chunk_size=self.chunk_size, depth=self.depth)
         with Timer(stats):
-            _, out = self._through(_Request(self, str(url), CacheLoad(opts, verify), stats, o.progress))
+            _, out = self._through(CacheRequest(self, str(url), CacheLoad(opts, verify), stats, o.progress))
         assert out is not None
         return out
 
@@ -386,7 +386,7 @@ class WeightCache:
         """Remove one model from the cache (waits until no process is loading it)."""
         return self.node.evict(str(url))
 
-    def _through(self, req: _Request) -> tuple[Path, dict[str, torch.Tensor] | None]:
+    def _through(self, req: CacheRequest) -> tuple[Path, dict[str, torch.Tensor] | None]:
         """Pin the entry (filling it on a miss) for as long as the load reads it."""
         with self.node.get(req.url, "dir", req.plan, usable=req.usable) as pin:
             record = req.record

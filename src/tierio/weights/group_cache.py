@@ -27,7 +27,7 @@ from tierio.io.buffers import ALIGN, HostBuffer, address_of
 from tierio.io.checksum import xxh3
 from tierio.storage.cache_records import Pin
 from tierio.storage.download import WindowWriter
-from tierio.weights.cache import WeightCache, _Request
+from tierio.weights.cache import CacheRequest, WeightCache
 from tierio.weights.engine import Counters, ShardReader
 from tierio.weights.record import CacheRecord
 from tierio.weights.sources import ModelSource, Shard, resolve
@@ -50,7 +50,7 @@ class NodeCopy:
 
 def peek(cache: WeightCache, url: str) -> NodeCopy | None:
     """This node's copy of ``url`` if the cache holds a usable one (stale or damaged ones are not)."""
-    req = _Request(cache, url, None, LoadStats(), None)
+    req = CacheRequest(cache, url, None, LoadStats(), None)
     try:
         pin = cache.node.lookup(url, "dir", req.usable)
     except TierioError as exc:  # held by a fill elsewhere past the wait: this node counts as cold
@@ -127,7 +127,7 @@ class StreamFill:
         try:
             if self.error is None:
                 self._feed(lo, data)
-        except BaseException as exc:  # the disk filled, or the like: the load itself goes on
+        except Exception as exc:  # the disk filled, or the like: the load itself goes on
             self.error = exc
 
     def _feed(self, lo: int, data: memoryview) -> None:
@@ -186,7 +186,7 @@ class StreamFill:
 Exchange = Callable[[Callable[[int, memoryview], None] | None], dict[str, torch.Tensor]]
 
 
-class _GroupFill(_Request):
+class _GroupFill(CacheRequest):
     """A cache fill whose shard bytes come from the group's exchange instead of a download."""
 
     def __init__(self, cache: WeightCache, url: str, src: ModelSource, segments: list[tuple[int, Shard]],
