@@ -102,6 +102,9 @@ def _two_ranks(rank: int, root: str, init: str) -> None:
         got = {"w": distribute_tensor(torch.zeros(10, 6), mesh, [Shard(0)]), "n": 0}
         dcp.load(got, storage_reader=TierioReader(), checkpoint_id=f"{root}/shared/step_000000004")
         assert torch.equal(got["w"].full_tensor(), W) and got["n"] == 7
+        # Both ranks done before either tears gloo down: one that left while the other was still
+        # finishing the load's last collective aborted it ("terminate called", under CI's load).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
