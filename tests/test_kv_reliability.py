@@ -250,3 +250,24 @@ def test_a_symlink_planted_as_a_slab_is_not_followed(tmp_path):
     (tmp_path / slab_name(0)).unlink()
     with cache(tmp_path, dram_blocks=8, admit_uses=1) as c:
         assert c.nvme is not None
+
+
+def test_a_block_leased_while_its_copy_leaves_keeps_it_when_the_write_below_fails(tmp_path):
+    """The window a stress run once hit: a DRAM copy already leaving (its write to NVMe in flight)
+    when a lease pins the block, then that write fails (a full disk). The lease still gets it."""
+    from tierio.kv.entries import State
+
+    with cache(tmp_path / "nvme", admit_uses=1) as c:
+        keys = c.hash_blocks(tokens(1))
+        put_chain(c, keys)
+        led = c._ledger
+        with c._lock:
+            e = led._entries[keys[0]]
+            job = led.start_write_down(e, KVTier.DRAM, evict=True)
+            assert job is not None and e.dram.state is State.LEAVING
+        with c.lease(keys) as n:
+            assert n == 1
+            with c._lock:
+                led.finish_write_down(job, False, None, LAYOUT.block_bytes)  # the write below failed
+            assert read_back(c, keys)[0] == 1
+        assert_clean(c)

@@ -90,6 +90,10 @@ class Entry:
     def has_copies(self) -> bool:
         return self.device is not None or self.dram is not None or self.nvme is not None
 
+    def ready_besides(self, c: Copy) -> bool:
+        """A READY copy other than ``c``."""
+        return any(x is not None and x is not c and x.state is State.READY for x in (self.device, self.dram, self.nvme))
+
 
 @dataclass(eq=False)
 class WriteDown:

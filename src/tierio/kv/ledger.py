@@ -13,11 +13,11 @@ Invariants (``problems``, stated in ``invariants``): each slot is free, in hand,
 copy dropped while still read) or held by exactly one copy; a LEAVING copy is counted in
 ``leaving`` and has its write-down queued in its tier's ``writes`` or running on some thread.
 
-The memory tiers (``pools``: the optional device pool, DRAM) are kept alike: puts and prefetches
-fill their slots, and their least recently used blocks (prefix-aware LRU, see ``entries``) are
-written down, the device tier's into DRAM and DRAM's to NVMe and the shared store. Each tier has
-its own queue of write-downs, so finishing a device block's write-down (which needs a DRAM slot,
-and may run a DRAM write-down for it) never waits on the device tier's own queue.
+The memory tiers (``pools``: the optional device pool, DRAM) are kept alike: puts and prefetches fill their slots,
+and their least recently used blocks (prefix-aware LRU, see ``entries``) are written down, the device tier's into
+DRAM and DRAM's to NVMe and the shared store. Each tier has its own queue of write-downs, so finishing a device
+block's write-down (which needs a DRAM slot, and may run a DRAM write-down for it) never waits on the device tier's
+own queue. A block leased while its copy was leaving keeps that copy when nothing landed below (a full disk).
 """
 
 from __future__ import annotations
@@ -426,8 +426,7 @@ class Ledger:
                     jobs.append(job)
         return jobs
 
-    def finish_write_down(self, job: WriteDown, ok: bool, checksum: int | None, block_bytes: int
-                          ) -> threading.Event | None:
+    def finish_write_down(self, job: WriteDown, ok: bool, checksum: int | None, block_bytes: int) -> threading.Event | None:
         """A write-down is over (``ok``: its copy below is complete). Returns the event waiters on
         a DRAM copy filled from the device tier wait on, to be set once the lock is released."""
         e, src, dst = job.entry, job.src, job.dst
@@ -438,15 +437,16 @@ class Ledger:
             self.counters.demoted += ok
         elif dst is not None:
             if ok:
-                dst.state = State.READY
-                e.checksum = checksum
+                dst.state, e.checksum = State.READY, checksum
                 self.counters.written_down += 1
                 self.counters.written_bytes += block_bytes
             else:
                 self._detach(e, KVTier.NVME)
                 self.release(KVTier.NVME, dst.slot)
         src.readers -= 1
-        if job.evict:
+        if job.evict and e.pins and e.copy(src.tier) is src and not e.ready_besides(src):  # leased while leaving,
+            src.state, self.leaving[src.tier] = State.READY, self.leaving[src.tier] - 1  # nothing landed: it stays
+        elif job.evict:
             src.written = True
             self._free_if_done(e, src)
         self._forget(e)
