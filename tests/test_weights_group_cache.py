@@ -54,7 +54,7 @@ def test_stream_fill_writes_the_source_files_byte_exact_from_pieces_of_any_size(
         out = tmp_path / label
         out.mkdir()
         writers = {id(s): WindowWriter(out / s.key, direct=True) for s in src.shards}
-        sink = StreamFill(stream.segments, writers, src, 2 << 20, counters)
+        sink = StreamFill(stream.segments, stream.readers, writers, src, 2 << 20)
         data = HostBuffer(stream.size, pin=False).tensor()[: stream.size]  # aligned: whole windows written in place
         stream.read(0, stream.size, data)
         view = memoryview(data.numpy())

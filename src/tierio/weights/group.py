@@ -210,7 +210,7 @@ def _load_parts(src: ModelSource, url: str, agreed: Agreed, spec: TensorParallel
             how += f", read from the cached copies of rank(s) {readers}"
         here = nodes.ranks[nodes.of[rank]]
         if cache is not None and rank == here[0] and not any(agreed.warm[q] for q in here):
-            out = fill_while(cache, url, src, stream.segments, exchange, stats, counters)
+            out = fill_while(cache, url, src, stream.segments, stream.readers, exchange, stats)
         else:
             out = exchange(None)
         stats.extra["group_exchange"] = how

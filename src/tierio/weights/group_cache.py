@@ -28,7 +28,7 @@ from tierio.io.checksum import xxh3
 from tierio.storage.cache_records import Pin
 from tierio.storage.download import WindowWriter
 from tierio.weights.cache import CacheRequest, WeightCache
-from tierio.weights.engine import Counters, ShardReader
+from tierio.weights.engine import ShardReader
 from tierio.weights.record import CacheRecord
 from tierio.weights.sources import ModelSource, Shard, resolve
 from tierio.weights.stats import LoadStats
@@ -75,16 +75,17 @@ def layout(src: ModelSource) -> str:
 class StreamFill:
     """Writes a model's shard files from its tensor stream, fed in stream order.
 
-    ``segments`` as ``group.Stream``'s: (stream offset of a shard's data section, shard). Each
+    ``segments`` and ``readers`` are ``group.Stream``'s: (stream offset of a shard's data section,
+    shard), and its reader of each shard's source, which also reads the header and tail bytes. Each
     file is written in windows of ``chunk`` bytes at its own offsets through its ``WindowWriter``
     (which records every window's xxh3). A window wholly inside the data section whose bytes arrive
     in one aligned piece is written from that memory; the others are put together in one aligned
     buffer from the stream bytes and the header and tail bytes, read from the source.
     A write error stops the fill, not the feed: the load goes on and ``finish()`` raises it."""
 
-    def __init__(self, segments: list[tuple[int, Shard]], writers: dict[int, WindowWriter], source: ModelSource,
-                 chunk: int, counters: Counters) -> None:
-        self.segments, self.writers, self.source, self.chunk, self.counters = segments, writers, source, chunk, counters
+    def __init__(self, segments: list[tuple[int, Shard]], readers: dict[int, ShardReader], writers: dict[int, WindowWriter],
+                 source: ModelSource, chunk: int) -> None:
+        self.segments, self.readers, self.writers, self.source, self.chunk = segments, readers, writers, source, chunk
         self.error: BaseException | None = None
         self._buf = HostBuffer(chunk, pin=False, prefault=False)
         self._i = -1  # the shard being written
@@ -101,16 +102,13 @@ class StreamFill:
             return
         at, s = self.segments[self._i]
         d, end = s.data_offset, s.data_offset + s.header.data_bytes  # type: ignore[union-attr]
-        reader = ShardReader(s, False, self.counters)
-        try:
-            out = bytearray(d + s.size - end)
-            view = memoryview(out)
-            if d:
-                reader.read(0, view[:d], d)
-            if s.size > end:
-                reader.read(end, view[d:], s.size - end)
-        finally:
-            reader.close()
+        reader = self.readers[id(s)]
+        out = bytearray(d + s.size - end)
+        view = memoryview(out)
+        if d:
+            reader.read(0, view[:d], d)
+        if s.size > end:
+            reader.read(end, view[d:], s.size - end)
         self._outside, self._win = bytes(out), 0
         self._got = self._need()[0]
 
@@ -190,25 +188,24 @@ class _GroupFill(CacheRequest):
     """A cache fill whose shard bytes come from the group's exchange instead of a download."""
 
     def __init__(self, cache: WeightCache, url: str, src: ModelSource, segments: list[tuple[int, Shard]],
-                 exchange: Exchange, stats: LoadStats, counters: Counters) -> None:
+                 readers: dict[int, ShardReader], exchange: Exchange, stats: LoadStats) -> None:
         super().__init__(cache, url, None, stats, None)
-        self.src, self.segments, self.exchange, self.counters = src, segments, exchange, counters
-        self.tensors = None
+        self.src, self.segments, self.readers, self.exchange = src, segments, readers, exchange
         self.ran = False
 
     def _download(self, writers: dict[int, WindowWriter]) -> None:
         assert self.src is not None
-        sink = StreamFill(self.segments, writers, self.src, self.cache.chunk_size, self.counters)
+        sink = StreamFill(self.segments, self.readers, writers, self.src, self.cache.chunk_size)
         self.ran = True
         self.tensors = self.exchange(sink.feed)
         sink.finish()
 
 
-def fill_while(cache: WeightCache, url: str, src: ModelSource, segments: list[tuple[int, Shard]], exchange: Exchange,
-               stats: LoadStats, counters: Counters) -> dict[str, torch.Tensor]:
+def fill_while(cache: WeightCache, url: str, src: ModelSource, segments: list[tuple[int, Shard]],
+               readers: dict[int, ShardReader], exchange: Exchange, stats: LoadStats) -> dict[str, torch.Tensor]:
     """Run ``exchange`` while filling the cache entry of ``url`` from it; the tensors it returns.
     The exchange runs exactly once whatever the cache does (this rank's group is waiting on it)."""
-    req = _GroupFill(cache, url, src, segments, exchange, stats, counters)
+    req = _GroupFill(cache, url, src, segments, readers, exchange, stats)
     try:
         with cache.node.get(url, "dir", req.plan, usable=req.usable) as pin:
             stats.extra["cache"] = "hit" if pin.hit else "filled"
