@@ -22,10 +22,10 @@ from test_weights_tp import _model
 from tierio.io.buffers import HostBuffer
 from tierio.io.checksum import xxh3
 from tierio.storage.download import WindowWriter
-from tierio.weights import TensorParallel, WeightCache, load
+from tierio.weights import LoadStats, TensorParallel, WeightCache, load
 from tierio.weights.engine import Counters
 from tierio.weights.group import Stream
-from tierio.weights.group_cache import StreamFill
+from tierio.weights.group_cache import StreamFill, fill_while
 from tierio.weights.sources import resolve
 
 CHUNK = 64 * 1024
@@ -231,3 +231,28 @@ def test_a_rank_killed_during_a_cached_group_load_is_named_and_no_half_fill_is_c
     assert res["entries_after_error"] == 0
     assert res["retry_ok"] and res["retry_cache"] == "filled" and res["entries"] == 1
     assert not any((tmp_path / "cache-0" / ".partial").iterdir())  # the dead fill's scratch went with it
+
+
+def test_an_exchange_that_fails_inside_a_fill_is_raised_and_never_run_again(tmp_path):
+    """The exchange is this rank's part of a collective: after it failed inside the fill (a source
+    read error, here), running it again outside would be out of step with the other ranks."""
+    import errno
+
+    import pytest
+
+    _model(tmp_path / "m")
+    src = resolve(str(tmp_path / "m"))
+    stream = Stream(src, Counters())
+    cache = WeightCache(tmp_path / "cache", "1GiB", chunk_bytes="2MiB")
+    calls = []
+
+    def exchange(sink):
+        calls.append(sink)
+        raise OSError(errno.EIO, "a read from the source failed")
+
+    from tierio.errors import StorageError
+
+    with pytest.raises(StorageError, match="a read from the source failed"):  # the cache names where it was filling
+        fill_while(cache, str(tmp_path / "m"), src, stream.segments, stream.readers, exchange, LoadStats())
+    stream.close()
+    assert len(calls) == 1 and calls[0] is not None and cache.entries() == []

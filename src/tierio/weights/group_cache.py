@@ -210,13 +210,10 @@ def fill_while(cache: WeightCache, url: str, src: ModelSource, segments: list[tu
         with cache.node.get(url, "dir", req.plan, usable=req.usable) as pin:
             stats.extra["cache"] = "hit" if pin.hit else "filled"
             stats.extra["cache_entry"] = str(pin.path)
-    except TierioError as exc:
+    except (TierioError, OSError) as exc:
         if req.ran and req.tensors is None:
-            raise  # the exchange itself failed: the group's error
+            raise  # the exchange itself failed (its group is broken): never run it a second time
         stats.extra["cache"] = f"not filled ({str(exc)[:200]})"
-        log.warning("cooperative load of %s: the node cache at %s was not filled: %s", url, cache.root, exc)
-    except OSError as exc:
-        stats.extra["cache"] = f"not filled ({exc})"
         log.warning("cooperative load of %s: the node cache at %s was not filled: %s", url, cache.root, exc)
     if req.tensors is not None:
         return req.tensors
