@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 from safetensors.torch import load_file, save_file
 
+from rank_exit import end_rank
 from tierio.ckpt import CheckpointManager, KeepLast, TensorSlice, Tier, inspect, list_checkpoints, verify
 from tierio.errors import ConfigError
 
@@ -167,9 +168,10 @@ def cluster_worker(rank: int, root: str, s3: str, init: str) -> None:
         _restore_after_losing_node1(root, s3, rank, meshes, expected)
         dist.barrier()
         _reshard_on_fewer_ranks(root, s3, rank, expected)
-        dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    end_rank()  # the meshes keep the group's gloo threads: no teardown at the interpreter's exit
 
 
 def slice_of(shape: tuple[int, ...], dim: int, rank: int, world: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as tmp
 
+from rank_exit import end_rank
 from tierio.ckpt import CheckpointManager, list_checkpoints, verify
 from tierio.ckpt.dcp import TierioReader, TierioWriter, place_of
 from tierio.errors import ConfigError
@@ -102,11 +103,10 @@ def _two_ranks(rank: int, root: str, init: str) -> None:
         got = {"w": distribute_tensor(torch.zeros(10, 6), mesh, [Shard(0)]), "n": 0}
         dcp.load(got, storage_reader=TierioReader(), checkpoint_id=f"{root}/shared/step_000000004")
         assert torch.equal(got["w"].full_tensor(), W) and got["n"] == 7
-        # Both ranks done before either tears gloo down: one that left while the other was still
-        # finishing the load's last collective aborted it ("terminate called", under CI's load).
-        dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    end_rank()  # the mesh keeps the group's gloo threads: no teardown at the interpreter's exit
 
 
 def test_two_gloo_ranks_save_and_load_through_paths(tmp_path):

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rank_exit import end_rank
 from torch import nn
 
 INTERVAL = 2
@@ -123,7 +124,7 @@ def run(mode: str, root: Path, steps: int, async_mode: str) -> None:
 
         save_file(tensors, str(root / f"{mode}-{world}.safetensors"))
         (root / f"{mode}-{world}.json").write_text(json.dumps(scalars, default=list))
-    dist.destroy_process_group()
+    end_rank()
 
 
 def torchrun_command(mode: str, root: Path, nprocs: int, *extra: str) -> tuple[list[str], dict[str, str]]:

@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from rank_exit import end_rank
 from torch import nn
 
 
@@ -449,8 +450,7 @@ def main() -> None:
             hf_fsdp_job(root, tiers, a.resume)
         else:
             lightning_fsdp_job(root, tiers, a.length, a.resume)
-        _end_group()
-        return None
+        end_rank()
     if a.job == "lightning":
         weights = lightning_job(root, tiers, a.length, kill_at=a.kill_at, resume="last" if a.resume else None,
                                 preempt_at=a.preempt_at, term_twice=a.term_twice, stateful=a.stateful, per_rank=a.per_rank,
@@ -464,17 +464,7 @@ def main() -> None:
 
     if os.environ.get("RANK", "0") == "0":  # under torchrun every rank holds the same weights
         save_file({k: v.contiguous() for k, v in weights.items() if k != "lm_head.weight"}, str(root / "final.safetensors"))
-    _end_group()
-
-
-def _end_group() -> None:
-    """As a job ends: a gloo group left to the interpreter's exit sometimes aborted a rank there
-    ("terminate called without an active exception", exit -6) after all its work was done."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -30,6 +30,22 @@ def rank_world(rank: int | None = None, world_size: int | None = None, group: An
     return rank, world_size
 
 
+def release_group(group: Any) -> None:
+    """Destroy a process group tierio made for itself (``new_group``), when its owner closes. A gloo
+    group's threads live as long as anything holds the group, even past ``destroy_process_group()``,
+    and their teardown at the interpreter's exit sometimes aborts the process ("terminate called
+    without an active exception") after all its work is done."""
+    if group is None:
+        return
+    import torch.distributed as dist
+
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group(group)
+    except (RuntimeError, ValueError):  # already destroyed, with the default group or by its owner
+        pass
+
+
 def machine() -> str:
     """This machine's boot and process namespace: two processes with the same value see each other's
     pids (and open each other's descriptors through /proc). Empty where that cannot be known."""

@@ -48,6 +48,7 @@ from tierio.ckpt import KeepLast, Tier
 from tierio.ckpt.dcp import TierioReader, TierioWriter
 from tierio.ckpt.preempt import Preemption
 from tierio.ckpt.tier import as_tier
+from tierio.dist import release_group
 from tierio.errors import ConfigError, NotFoundError
 from tierio.integrations.checkpoints import check_manager_options
 
@@ -212,6 +213,8 @@ class TierioCheckpointManager(CheckpointManager):
             super()._close()
             if self.tierio is not None:
                 self.tierio.close()
+            release_group(self._group)
+            self._group = None
 
 
 __all__ = ["TierioCheckpointManager", "refuse_unsupported", "tierio_step"]

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from tierio.dist import release_group
 from tierio.errors import ConfigError, FormatError, IntegrityError, TierioError
 from tierio.format.manifest import MAX_MANIFEST_BYTES, RankEntry
 from tierio.format.shard import parse_record_name, parse_step_dir, shard_name, step_dir, step_key
@@ -350,3 +351,6 @@ class Buddy:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        if self.link is not None:  # its gloo threads would otherwise live until the interpreter's exit
+            release_group(self.link.group)
+            self.link = None
