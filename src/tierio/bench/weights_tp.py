@@ -182,6 +182,9 @@ def run_tp(work: Path, size: int, rounds: int) -> tuple[dict, dict[str, float], 
         # reading exactly the rank's slices (the same pieces, widened to the same grid).
         extra["tp_fio_whole_vs_fio_exact_slice"] = min(secs["fio_whole"]) / min(secs["fio_exact_slice"])
         extra["tp_exact_load_vs_fio_exact_slice"] = min(secs["fio_exact_slice"]) / min(secs["sliced_exact"])
+        # The most the time ratio can be while reading only the slice's bytes: the same whole load
+        # and slice ÷ fio reading exactly the slice.
+        extra["tp_full_then_slice_vs_fio_exact_slice"] = min(secs["full_then_slice"]) / min(secs["fio_exact_slice"])
         return res, ratios, extra
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -104,7 +104,7 @@ def cmd_load(args) -> int:
         dtype = getattr(torch, DTYPES[args.dtype])
     keys = args.keys.split(",") if args.keys else None
     stats = LoadStats()
-    mapped = not (args.private or args.buffered)
+    mapped = False if args.private or args.buffered else None  # None: tierio's choice per load
     cold = _drop_page_cache(args.source) if args.cold else None
     shard = _tp(args)
     with byte_progress("loading", quiet=args.json) as progress:
@@ -268,7 +268,7 @@ def register(sub) -> None:
     q.add_argument("--verify", choices=["size", "full"], default="size", help="cache hits: check sizes only, or every window's xxh3")
     q.add_argument("--private", action="store_true",
                    help="CPU: read into private memory by O_DIRECT instead of mapping the files copy-on-write "
-                        "(independent of the files afterwards; more CPU per GB)")
+                        "(independent of the files afterwards; more CPU per GB); --tp slices are read so already")
     q.add_argument("--buffered", action="store_true", help="like --private, but read through the page cache (never O_DIRECT)")
     q.add_argument("--tp", type=int, metavar="N", help="load one tensor-parallel rank's slices of an N-way group "
                    "(rules chosen from config.json; a directory written by `weights shard` reads only the rank's file)")

@@ -154,7 +154,7 @@ class CacheLoad:
     @property
     def maps_after_fill(self) -> bool:
         """CPU loads that map the files need only the download written; they map the entry after."""
-        return self.options.device.type == "cpu" and self.options.mapped
+        return self.options.device.type == "cpu" and self.options.mapped is not False
 
 
 class CacheRequest:

@@ -202,7 +202,8 @@ def _load_parts(src: ModelSource, url: str, agreed: Agreed, spec: TensorParallel
                 log.warning("cooperative load of %s exchanges over the group only: no node-local memory (%s)", url, why)
         if shared is not None:
             how = f"node-local memory, {len(nodes.ranks)} node(s)"
-            exchange = partial(_node_exchange, stream, shared, wanted, sub, rank, nodes, readers, chunk, o.mapped, stats)
+            exchange = partial(_node_exchange, stream, shared, wanted, sub, rank, nodes, readers, chunk,
+                               o.mapped is not False, stats)
         else:
             how = f"group ({why})" if why else "group"
             exchange = partial(_exchange, stream, wanted, sub, rank, readers, chunk, stats)

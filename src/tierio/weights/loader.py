@@ -85,7 +85,7 @@ class ReadSpec:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: torch.dtype | None = None
     keys: list[str] | None = None  # None: every tensor
-    mapped: bool = True
+    mapped: bool | None = None  # None: whole tensors mapped, tensor-parallel slices private
     direct: bool = True
     chunk_size: int = engine.DEFAULT_CHUNK
     depth: int = engine.DEFAULT_DEPTH
@@ -168,13 +168,15 @@ def load(
     ``options`` (or keyword overrides of its fields, see :class:`LoadOptions`): ``stats`` (a LoadStats) receives bytes, seconds and CPU time;
     ``progress(done, total)`` is called from the reader threads as each window of bytes lands.
 
-    ``mapped`` chooses the memory CPU tensors of local files live in. ``True`` (default):
-    copy-on-write views of the files, populated through the page cache in parallel
+    ``mapped`` chooses the memory CPU tensors of local files live in. ``True`` (the default for
+    whole tensors): copy-on-write views of the files, populated through the page cache in parallel
     before returning; several processes loading the same model share its pages, and writing to a
     tensor copies only that page. Files must then not be truncated or rewritten in place while the
     tensors live (replacing them by a rename, as tierio's writers and weight cache do, is safe).
     ``False``: private memory filled by O_DIRECT reads (``direct=False``: through the page cache),
-    independent of the files; it costs more CPU, most of it spent faulting in the new memory.
+    independent of the files; it costs more CPU, most of it spent faulting in the new memory. It is
+    the default for a tensor-parallel rank's slices: a rank's small, scattered ranges read through
+    the mapping took twice as long as by O_DIRECT into private memory (docs/weights.md).
     GPU targets and remote sources ignore ``mapped``.
     """
     o = LoadOptions.resolve(options, overrides)
@@ -223,7 +225,7 @@ def _read_plan(plan: ReadPlan, src: ModelSource, opts: ReadSpec, stats: LoadStat
     stats.source = stats.source or src.url
     stats.device = str(opts.device)
     out = None
-    if opts.device.type == "cpu" and opts.mapped:
+    if opts.device.type == "cpu" and opts.mapped is not False:
         out = _read_mapped(plan, src, opts, stats)
     if out is None and opts.device.type == "cuda":
         out = _load_cuda(plan, opts, stats)
@@ -241,7 +243,10 @@ def _load_sliced(src: ModelSource, opts: ReadSpec, stats: LoadStats) -> dict[str
     how = sliced.split(src, spec, names, opts.slice_gap)
     # the slices' holes are read through by the same measured gap as a strided slice's
     gap = opts.slice_gap if opts.slice_gap is not None else sliced.default_gap(src.shards[0])
-    whole = ReadSpec(**{**vars(opts), "dtype": None, "keys": None, "shard": None, "merge_gap": gap})
+    # slices go to private memory unless mapping is asked for: read through the mapping, a rank's
+    # smaller, scattered ranges took twice as long (docs/weights.md, "tensor parallel")
+    whole = ReadSpec(**{**vars(opts), "dtype": None, "keys": None, "shard": None, "merge_gap": gap,
+                        "mapped": opts.mapped is True})
     # The strided slices' small reads wait on the device's latency, the contiguous ones on its
     # bandwidth: both run at once (on the shared pool, whose nested waits cannot deadlock).
     strided = submit(partial(sliced.read_strided, how.strided, chunk_size=opts.chunk_size, depth=opts.depth,

@@ -16,7 +16,8 @@ from tierio.weights.stats import LoadStats
 class LoadOptions(Options):
     """``stats`` receives bytes, seconds and CPU time; ``direct`` reads by O_DIRECT where the
     filesystem allows; ``chunk_bytes`` per request, ``depth`` in flight; ``use_gds`` (None: when
-    kvikio works); ``mapped``: CPU tensors as copy-on-write views of local files; ``progress(done,
+    kvikio works); ``mapped``: CPU tensors as copy-on-write views of local files (None: whole tensors
+    mapped, a tensor-parallel rank's slices in private memory, the faster of the two for each); ``progress(done,
     total)`` from the reader threads; ``strict`` (load_into): every target tensor must be in the source;
     ``numa_node``: the staging ring's NUMA node (a number, or ``"auto"`` for the current GPU's), reported
     in ``stats.extra["staging_numa"]``; ``slice_gap_bytes``: a tensor-parallel load reads through holes up
@@ -30,7 +31,7 @@ class LoadOptions(Options):
     chunk_bytes: int | str = DEFAULT_CHUNK
     depth: int = DEFAULT_DEPTH
     use_gds: bool | None = None
-    mapped: bool = True
+    mapped: bool | None = None
     progress: Progress | None = None
     strict: bool = True
     numa_node: int | str | None = None
