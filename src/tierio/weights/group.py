@@ -10,9 +10,9 @@ parts reach the other ranks:
   namespace) share one memory file (``node_share``): each rank reads its parts straight into it,
   parts cross to each other node once, point to point (to the rank there with the sender's local
   index, wrapped around when that node has fewer ranks), and only the checksums are gathered over
-  the group. Then every rank maps the file copy-on-write, checks every part against its sender's
-  checksum (reading one that fails again from the source into its own pages) and keeps views of the
-  mapping (one copy of the model in the node's memory, whatever the number of ranks), or with
+  the group. Then every rank maps the file copy-on-write and the node's ranks share the checking
+  out: each part is checked against its sender's checksum by one of them, which reads a part that
+  fails again from the source into the file, before any rank keeps views of the mapping (one copy of the model in the node's memory, whatever the number of ranks), or with
   ``mapped=False`` or ``shard=`` (its tensor-parallel slices) copies of its own. On a 2-core VM the
   loopback sockets cost about as much CPU per byte as the S3 GETs; memory costs a page mapping.
 * Where a node cannot make that file (too little memory, no memfd) or every rank is alone on its
@@ -306,18 +306,20 @@ def _node_exchange(stream: Stream, shared: SharedStream, wanted: list[Wanted], g
     mine = shared.private()
     base = mine.tensor()
     spans = [(_part(w0, i, chunk, size), int(every[q][k][1])) for k, w0 in enumerate(starts) for i, q in enumerate(readers)]
+    # Each part is checked by one rank of the node (they all map the same pages); every rank
+    # populates its mapping of every part, so the tensors' first use faults nothing.
+    local = nodes.ranks[here]
+    checks = local.index(rank), len(local)
     bad: list[tuple[int, int]] = []
 
     def verify(i: int) -> None:
         (lo, hi), want = spans[i]
         mine.populate(lo, hi - lo)
-        if hi > lo and _signed(xxh3_int(mine.view[lo:hi])) != want:
+        if hi > lo and i % checks[1] == checks[0] and _signed(xxh3_int(mine.view[lo:hi])) != want:
             bad.append((lo, hi))
 
     drain(range(len(spans)), verify, DEFAULT_DEPTH)
-    for lo, hi in sorted(bad):  # damaged in the node's file: read here, into this rank's own pages
-        stream.read(lo, hi, base[lo:hi])
-        stats.extra["parts_read_again"] = stats.extra.get("parts_read_again", 0) + 1
+    _repair(stream, shared, sorted(bad), group, rank, stats)
     if sink is not None and size:
         sink(0, mine.view[:size])
     out: dict[str, torch.Tensor] = {}
@@ -335,6 +337,32 @@ def _node_exchange(stream: Stream, shared: SharedStream, wanted: list[Wanted], g
             t = t.clone()
         out[w.name] = t
     return out
+
+
+def _repair(stream: Stream, shared: SharedStream, bad: list[tuple[int, int]], group: Any, rank: int,
+            stats: LoadStats) -> None:
+    """Read the parts this rank found damaged in the node's file again from the source, into the
+    file (the node's other ranks see them through their mappings); then every rank waits for every
+    repair. A rank that could not read one again says so, and every rank raises."""
+    import torch.distributed as dist
+
+    error: BaseException | None = None
+    try:
+        for lo, hi in bad:
+            shared.writable(lo, hi)
+            stream.read(lo, hi, shared.bytes[lo:hi])
+    except Exception as exc:  # noqa: BLE001 - every rank learns of it below, then it is raised
+        error = exc
+    if bad:
+        stats.extra["parts_read_again"] = len(bad)
+    failed = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(failed, torch.tensor([int(error is not None)]), group=group)
+    if error is not None:
+        raise error
+    who = [r for r, f in enumerate(failed) if int(f)]
+    if who:
+        raise GroupError(f"rank(s) {who} found a part damaged in their node's memory and could not read it again "
+                         "from the source; see their errors, and load again")
 
 
 def _exchange(stream: Stream, wanted: list[Wanted], group: Any, rank: int, readers: list[int], chunk: int,
