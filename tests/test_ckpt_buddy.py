@@ -102,6 +102,9 @@ def restore_worker(rank: int, root: str, init: str) -> None:
             h = mgr.save(3, state(rank, 3, SMALL))
             assert h.buddied.result(timeout=60) == 3
             h.wait(timeout=60)
+            groups = len(dist.distributed_c10d._world.pg_map)
+        # the manager's own buddy group is destroyed with it (its gloo threads would live to exit)
+        assert len(dist.distributed_c10d._world.pg_map) == groups - 1
         dist.barrier()
         assert not os.path.exists(f"{root}/node{rank // 2}/buddy/node{1 - rank // 2}/step_000000002")
         assert os.path.exists(f"{root}/node{rank // 2}/buddy/node{1 - rank // 2}/step_000000003")
