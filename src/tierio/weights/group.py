@@ -12,7 +12,8 @@ parts reach the other ranks:
   index, wrapped around when that node has fewer ranks), and only the checksums are gathered over
   the group. Then every rank maps the file copy-on-write and the node's ranks share the checking
   out: each part is checked against its sender's checksum by one of them, which reads a part that
-  fails again from the source into the file, before any rank keeps views of the mapping (one copy of the model in the node's memory, whatever the number of ranks), or with
+  fails again from the source into the file. After every repair each rank keeps views of the
+  mapping (one copy of the model in the node's memory, whatever the number of ranks), or with
   ``mapped=False`` or ``shard=`` (its tensor-parallel slices) copies of its own. On a 2-core VM the
   loopback sockets cost about as much CPU per byte as the S3 GETs; memory costs a page mapping.
 * Where a node cannot make that file (too little memory, no memfd) or every rank is alone on its
@@ -346,11 +347,13 @@ def _repair(stream: Stream, shared: SharedStream, bad: list[tuple[int, int]], gr
     repair. A rank that could not read one again says so, and every rank raises."""
     import torch.distributed as dist
 
+    buf = shared.bytes
+    assert buf is not None
     error: BaseException | None = None
     try:
         for lo, hi in bad:
             shared.writable(lo, hi)
-            stream.read(lo, hi, shared.bytes[lo:hi])
+            stream.read(lo, hi, buf[lo:hi])
     except Exception as exc:  # noqa: BLE001 - every rank learns of it below, then it is raised
         error = exc
     if bad:
