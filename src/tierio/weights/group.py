@@ -310,17 +310,21 @@ def _node_exchange(stream: Stream, shared: SharedStream, wanted: list[Wanted], g
     # Each part is checked by one rank of the node (they all map the same pages); every rank
     # populates its mapping of every part, so the tensors' first use faults nothing.
     local = nodes.ranks[here]
-    checks = local.index(rank), len(local)
+    my_share, shares = local.index(rank), len(local)
     bad: list[tuple[int, int]] = []
 
     def verify(i: int) -> None:
         (lo, hi), want = spans[i]
         mine.populate(lo, hi - lo)
-        if hi > lo and i % checks[1] == checks[0] and _signed(xxh3_int(mine.view[lo:hi])) != want:
+        if hi > lo and i % shares == my_share and _signed(xxh3_int(mine.view[lo:hi])) != want:
             bad.append((lo, hi))
 
-    drain(range(len(spans)), verify, DEFAULT_DEPTH)
-    _repair(stream, shared, sorted(bad), group, rank, stats)
+    failure: Exception | None = None
+    try:
+        drain(range(len(spans)), verify, DEFAULT_DEPTH)
+    except Exception as exc:  # noqa: BLE001 - the other ranks wait for this one's repairs: tell them first
+        failure = exc
+    _repair(stream, shared, sorted(bad), group, stats, failure)
     if sink is not None and size:
         sink(0, mine.view[:size])
     out: dict[str, torch.Tensor] = {}
@@ -340,22 +344,23 @@ def _node_exchange(stream: Stream, shared: SharedStream, wanted: list[Wanted], g
     return out
 
 
-def _repair(stream: Stream, shared: SharedStream, bad: list[tuple[int, int]], group: Any, rank: int,
-            stats: LoadStats) -> None:
+def _repair(stream: Stream, shared: SharedStream, bad: list[tuple[int, int]], group: Any, stats: LoadStats,
+            failure: Exception | None) -> None:
     """Read the parts this rank found damaged in the node's file again from the source, into the
     file (the node's other ranks see them through their mappings); then every rank waits for every
-    repair. A rank that could not read one again says so, and every rank raises."""
+    repair. A rank whose check (``failure``) or repair failed says so, and every rank raises."""
     import torch.distributed as dist
 
     buf = shared.bytes
     assert buf is not None
-    error: BaseException | None = None
-    try:
-        for lo, hi in bad:
-            shared.writable(lo, hi)
-            stream.read(lo, hi, buf[lo:hi])
-    except Exception as exc:  # noqa: BLE001 - every rank learns of it below, then it is raised
-        error = exc
+    error = failure
+    if error is None:
+        try:
+            for lo, hi in bad:
+                shared.writable(lo, hi)
+                stream.read(lo, hi, buf[lo:hi])
+        except Exception as exc:  # noqa: BLE001 - every rank learns of it below, then it is raised
+            error = exc
     if bad:
         stats.extra["parts_read_again"] = len(bad)
     failed = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
@@ -364,7 +369,7 @@ def _repair(stream: Stream, shared: SharedStream, bad: list[tuple[int, int]], gr
         raise error
     who = [r for r, f in enumerate(failed) if int(f)]
     if who:
-        raise GroupError(f"rank(s) {who} found a part damaged in their node's memory and could not read it again "
+        raise GroupError(f"rank(s) {who} could not check the node's memory or read a damaged part of it again "
                          "from the source; see their errors, and load again")
 
 
