@@ -271,3 +271,53 @@ def test_a_block_leased_while_its_copy_leaves_keeps_it_when_the_write_below_fail
                 led.finish_write_down(job, False, None, LAYOUT.block_bytes)  # the write below failed
             assert read_back(c, keys)[0] == 1
         assert_clean(c)
+
+
+def test_a_block_leased_after_its_leaving_copy_was_written_keeps_it_while_a_reader_finishes(tmp_path):
+    """The window behind the stress run's 'a leased prefix of N blocks delivered 0': a DRAM copy's
+    write-down finished while a get still read it (so the copy stayed, to be freed by that reader),
+    its NVMe copy was evicted, then a lease pinned the block on that leaving copy alone. The
+    reader's end must not free the copy the lease was promised."""
+    from tierio.kv.entries import State
+
+    with cache(tmp_path / "nvme", admit_uses=1) as c:
+        keys = c.hash_blocks(tokens(1))
+        put_chain(c, keys)
+        led = c._ledger
+        with c._lock:
+            e = led._entries[keys[0]]
+            job = led.start_write_down(e, KVTier.DRAM, evict=True)
+            _, read, _ = led.reader(keys[0])  # a get copying the leaving DRAM copy out
+            assert read is e.dram and read.state is State.LEAVING
+        c._write_down(job)  # lands on NVMe; the DRAM copy waits for its reader
+        assert e.nvme is not None and e.dram is read
+        assert c.evict(keys, KVTier.NVME) == 1  # not pinned yet: the NVMe copy may go
+        with c.lease(keys) as n:
+            assert n == 1
+            with c._lock:
+                led.unread(e, read)  # the get finishes
+            assert read_back(c, keys)[0] == 1
+        assert_clean(c)
+
+
+def test_a_device_block_leased_after_its_write_down_found_no_dram_slot_keeps_it(tmp_path):
+    """The same window in the device tier: a device copy's write-down found no DRAM slot (so the
+    copy was to go once its reader finished) and a lease pinned the block before that reader did."""
+    from tierio.kv.entries import State
+
+    with cache(tmp_path / "nvme", admit_uses=1, device_bytes=4 * LAYOUT.block_bytes, device="cpu") as c:
+        keys = c.hash_blocks(tokens(1))
+        put_chain(c, keys)
+        led = c._ledger
+        with c._lock:
+            e = led._entries[keys[0]]
+            job = led.start_write_down(e, KVTier.DEVICE, evict=True)
+            _, read, _ = led.reader(keys[0])
+            assert read is e.device and read.state is State.LEAVING and e.dram is None
+            led.finish_write_down(job, False, None, LAYOUT.block_bytes)  # no DRAM slot to be had
+        with c.lease(keys) as n:
+            assert n == 1
+            with c._lock:
+                led.unread(e, read)
+            assert read_back(c, keys)[0] == 1
+        assert_clean(c)

@@ -17,7 +17,7 @@ The memory tiers (``pools``: the optional device pool, DRAM) are kept alike: put
 and their least recently used blocks (prefix-aware LRU, see ``entries``) are written down, the device tier's into
 DRAM and DRAM's to NVMe and the shared store. Each tier has its own queue of write-downs, so finishing a device
 block's write-down (which needs a DRAM slot, and may run a DRAM write-down for it) never waits on the device tier's
-own queue. A block leased while its copy was leaving keeps that copy when nothing landed below (a full disk).
+own queue. A leased block keeps its leaving copy while no copy below stands in (a failed write, an evicted one).
 """
 
 from __future__ import annotations
@@ -454,14 +454,14 @@ class Ledger:
 
     # -- pins and explicit eviction -------------------------------------------------------------
     def pin(self, keys: list[bytes]) -> int:
-        n = 0
-        for k in keys:
+        for n, k in enumerate(keys):
             e = self._entries.get(k)
             if e is None or not e.has_copies():
-                break
+                return n
+            if (c := e.written_away()) is not None:  # only readers hold it (its copy below failed or went): kept
+                c.state, c.written, self.leaving[c.tier] = State.READY, False, self.leaving[c.tier] - 1
             e.pins += 1
-            n += 1
-        return n
+        return len(keys)
 
     def unpin(self, keys: list[bytes]) -> None:
         for k in keys:
