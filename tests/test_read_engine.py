@@ -246,10 +246,10 @@ def test_weight_loads_and_restores_start_no_thread_pool_of_their_own(tmp_path, s
     g = torch.Generator().manual_seed(0)
     tensors = {f"t{i}": torch.randn(70_000 + i, generator=g) for i in range(6)}
     save_file(tensors, str(tmp_path / "m.safetensors"))
-    got = [load(tmp_path / "m.safetensors", mapped=False, chunk_size=MiB),
-           load(tmp_path / "m.safetensors", mapped=True, chunk_size=MiB)]
+    got = [load(tmp_path / "m.safetensors", mapped=False, chunk_bytes=MiB),
+           load(tmp_path / "m.safetensors", mapped=True, chunk_bytes=MiB)]
     into = {k: torch.zeros_like(v) for k, v in tensors.items()}
-    load_into(into, tmp_path / "m.safetensors", chunk_size=MiB)
+    load_into(into, tmp_path / "m.safetensors", chunk_bytes=MiB)
     store = LocalStore(tmp_path / "store")
     blob = payload(5 * MiB, 3)
     store.put_buffers("obj", [blob])
