@@ -31,14 +31,20 @@ def _save(rank: int, root: str, init: str) -> None:
         dist.destroy_process_group()
 
 
-def _restore(rank: int, root: str, init: str) -> None:
+def _restore(rank: int, root: str, init: str, saved: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
         want = replicated_state()
         into = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()}}
         with CheckpointManager([root]) as mgr:
             got = mgr.restore(1, into=into)
-        assert all(torch.equal(got["model"][k], v) for k, v in want["model"].items())
+        # The reference is the model the parent checked the one-rank restore against, not this
+        # process's own recomputation: a forward, backward and Adam step through MKL are not
+        # promised to give the same last bits in every process, and that is no fault of a restore.
+        ref = torch.load(saved)
+        wrong = [k for k, v in ref.items() if not torch.equal(got["model"][k], v)]
+        drift = [k for k, v in ref.items() if not torch.equal(want["model"][k], v)]
+        assert not wrong, f"rank {rank}: restored != saved for {wrong} (this process's recomputation differs in {drift})"
     finally:
         dist.destroy_process_group()
 
@@ -59,7 +65,9 @@ def test_four_ranks_write_a_replicated_state_once_spread_evenly_and_it_restores_
         got = mgr.restore(1)
     assert all(torch.equal(got["model"][k], v) for k, v in state["model"].items())
     assert got["epoch"] == 3 and torch.equal(got["optim"]["state"][0]["exp_avg"], state["optim"]["state"][0]["exp_avg"])
-    tmp.start_processes(_restore, args=(root, f"file://{tmp_path}/pg2"), nprocs=2, start_method="spawn")
+    torch.save(state["model"], tmp_path / "saved_model.pt")
+    tmp.start_processes(_restore, args=(root, f"file://{tmp_path}/pg2", str(tmp_path / "saved_model.pt")), nprocs=2,
+                        start_method="spawn")
 
 
 def test_the_plan_cuts_large_tensors_in_row_blocks_and_balances_the_small_ones():
