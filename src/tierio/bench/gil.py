@@ -31,6 +31,13 @@ interleaved across the scenarios (``common.alternate``); each ratio is the media
 tierio's manager lives for the whole run, as in a training job (one warm-up save first: its
 staging and promotion buffers are allocated once and reused); DCP's saves are its steady state too.
 
+The step's own count of waits, which the VM's drift does not move: ``gil_waits_per_step`` is, per
+scenario, the median over the rounds of the step thread's voluntary context switches per busy step
+(Linux, ``/proc/thread-self/status``). The step makes no system call that blocks, so each one is a
+wait for the GIL (idle: 0). The same count for tierio's threads and DCP's process says the
+interpreter costs the step no more with one than with the other; a gap in the timed ratios is then
+CPU (the background's C work and the kernel's share of the writes), not the GIL.
+
 Why the figures above do not settle the question on a noisy VM, ``background_python`` does:
 every background thread of one steady-state save runs under its own profiler, which splits its
 time into Python frames (bytecode: the GIL held) and calls into C. The byte loops (``pwrite``,
@@ -78,11 +85,29 @@ def _timed_step(xs: list[torch.Tensor]) -> float:
     return time.perf_counter() - t0
 
 
-def _steps_while(busy: Callable[[], bool], xs: list[torch.Tensor]) -> list[float]:
+def _steps_while(busy: Callable[[], bool], xs: list[torch.Tensor], waits: list[float] | None = None) -> list[float]:
+    """Steps timed until ``busy()`` is false (at least MIN_STEPS); ``waits`` gets the step thread's
+    voluntary context switches per step (its GIL waits), where the system tells them."""
     times: list[float] = []
+    before = _voluntary_switches()
     while busy() or len(times) < MIN_STEPS:
         times.append(_timed_step(xs))
+    after = _voluntary_switches()
+    if waits is not None and before is not None and after is not None:
+        waits.append((after - before) / len(times))
     return times
+
+
+def _voluntary_switches() -> int | None:
+    """This thread's voluntary context switches so far (Linux), else None."""
+    try:
+        with open("/proc/thread-self/status") as f:
+            for line in f:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
 def _state(nbytes: int) -> dict[str, torch.Tensor]:
@@ -119,23 +144,25 @@ def measure(nbytes: int, work: Path, rounds: int, log: Callable[[str], None]) ->
             return statistics.median(before + after) / statistics.median(busy)
         return run
 
-    def tierio_on(manager: Any) -> Callable[[], list[float]]:
+    waits: dict[str, list[float]] = {}  # scenario -> the step's GIL waits per step, one figure a round
+
+    def tierio_on(manager: Any, name: str) -> Callable[[], list[float]]:
         def run() -> list[float]:
             step[0] += 1
             handle = manager.save(step[0], state)
-            times = _steps_while(lambda: not handle.done(), xs)
+            times = _steps_while(lambda: not handle.done(), xs, waits.setdefault(name, []))
             handle.wait()
             return times
         return run
 
-    def dcp_run(kind: Any) -> Callable[[], list[float]]:
+    def dcp_run(kind: Any, name: str) -> Callable[[], list[float]]:
         def run() -> list[float]:
             step[0] += 1
             target = work / f"dcp-{kind.value}"
             shutil.rmtree(target, ignore_errors=True)
             fut = dcp.async_save(state, checkpoint_id=str(target), async_checkpointer_type=kind)
             done = getattr(fut, "upload_completion", fut)
-            times = _steps_while(lambda: not done.done(), xs)
+            times = _steps_while(lambda: not done.done(), xs, waits.setdefault(name, []))
             done.result()
             return times
         return run
@@ -154,10 +181,10 @@ def measure(nbytes: int, work: Path, rounds: int, log: Callable[[str], None]) ->
             manager.save(step[0], state).wait()  # allocates its buffers, as a job's first save does
         log(f"Python-heavy steps: idle, and while tierio (two tiers, one tier, two at the step's priority) / DCP (thread, process) save "
             f"{nbytes >> 20} MiB; {rounds} rounds")
-        got = common.alternate({"tierio": judged(tierio_on(mgr)), "tierio_one": judged(tierio_on(one)),
-                                "tierio_level": judged(tierio_on(level)),
-                                "dcp_thread": judged(dcp_run(AsyncCheckpointerType.THREAD)),
-                                "dcp_process": judged(dcp_run(AsyncCheckpointerType.PROCESS))}, rounds)
+        got = common.alternate({"tierio": judged(tierio_on(mgr, "tierio")), "tierio_one": judged(tierio_on(one, "tierio_one")),
+                                "tierio_level": judged(tierio_on(level, "tierio_level")),
+                                "dcp_thread": judged(dcp_run(AsyncCheckpointerType.THREAD, "dcp_thread")),
+                                "dcp_process": judged(dcp_run(AsyncCheckpointerType.PROCESS, "dcp_process"))}, rounds)
     med = {k: statistics.median(v) for k, v in got.items()}  # idle ÷ busy, per scenario
     ratios = {"step_during_persist_vs_idle": med["tierio"],
               "step_slowdown_vs_dcp_process": med["tierio"] / med["dcp_process"],
@@ -165,6 +192,7 @@ def measure(nbytes: int, work: Path, rounds: int, log: Callable[[str], None]) ->
               "step_level_priority_vs_dcp_process": med["tierio_level"] / med["dcp_process"],
               "step_during_dcp_thread_vs_idle": med["dcp_thread"]}
     return {"state_bytes": nbytes, "idle_vs_busy": med, "rounds": got, "cpus": os.cpu_count(),
+            "gil_waits_per_step": {k: round(statistics.median(v), 3) for k, v in waits.items() if v},
             "background_python": background,
             "ratios": {k: round(v, 3) for k, v in ratios.items()},
             "met": common.check_targets(ratios, TARGETS)}
