@@ -94,14 +94,6 @@ class Entry:
         """A READY copy other than ``c``."""
         return any(x is not None and x is not c and x.state is State.READY for x in (self.device, self.dram, self.nvme))
 
-    def written_away(self) -> Copy | None:
-        """The copy a pin must keep: LEAVING with its write-down over (so freed once its readers
-        finish) while no other copy is READY, or None."""
-        for c in (self.device, self.dram):
-            if c is not None and c.state is State.LEAVING and c.written and not self.ready_besides(c):
-                return c
-        return None
-
 
 @dataclass(eq=False)
 class WriteDown:

@@ -293,8 +293,12 @@ class Ledger:
             self.drop_copy(e, c.tier)
 
     def _free_if_done(self, e: Entry, c: Copy) -> None:
+        """Free a leaving copy written down and read by nobody, unless leased with no other READY copy."""
         if c.state is State.LEAVING and c.written and c.readers == 0 and e.copy(c.tier) is c:
-            self.drop_copy(e, c.tier)
+            if e.pins and not e.ready_besides(c):
+                c.state, c.written, self.leaving[c.tier] = State.READY, False, self.leaving[c.tier] - 1
+            else:
+                self.drop_copy(e, c.tier)
 
     def reader(self, key: bytes, order: tuple[KVTier, ...] = LOCAL_TIERS
                ) -> tuple[Entry | None, Copy | None, threading.Event | None]:
@@ -444,9 +448,7 @@ class Ledger:
                 self._detach(e, KVTier.NVME)
                 self.release(KVTier.NVME, dst.slot)
         src.readers -= 1
-        if job.evict and e.pins and e.copy(src.tier) is src and not e.ready_besides(src):  # leased while leaving,
-            src.state, self.leaving[src.tier] = State.READY, self.leaving[src.tier] - 1  # nothing landed: it stays
-        elif job.evict:
+        if job.evict:
             src.written = True
             self._free_if_done(e, src)
         self._forget(e)
@@ -458,8 +460,6 @@ class Ledger:
             e = self._entries.get(k)
             if e is None or not e.has_copies():
                 return n
-            if (c := e.written_away()) is not None:  # only readers hold it (its copy below failed or went): kept
-                c.state, c.written, self.leaving[c.tier] = State.READY, False, self.leaving[c.tier] - 1
             e.pins += 1
         return len(keys)
 
