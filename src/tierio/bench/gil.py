@@ -85,7 +85,7 @@ def _timed_step(xs: list[torch.Tensor]) -> float:
     return time.perf_counter() - t0
 
 
-def _steps_while(busy: Callable[[], bool], xs: list[torch.Tensor], waits: list[float] | None = None) -> list[float]:
+def _steps_while(busy: Callable[[], bool], xs: list[torch.Tensor], waits: list[float]) -> list[float]:
     """Steps timed until ``busy()`` is false (at least MIN_STEPS); ``waits`` gets the step thread's
     voluntary context switches per step (its GIL waits), where the system tells them."""
     times: list[float] = []
@@ -93,7 +93,7 @@ def _steps_while(busy: Callable[[], bool], xs: list[torch.Tensor], waits: list[f
     while busy() or len(times) < MIN_STEPS:
         times.append(_timed_step(xs))
     after = _voluntary_switches()
-    if waits is not None and before is not None and after is not None:
+    if before is not None and after is not None:
         waits.append((after - before) / len(times))
     return times
 
@@ -135,34 +135,35 @@ def measure(nbytes: int, work: Path, rounds: int, log: Callable[[str], None]) ->
     python_heavy_step(xs)  # warm
     step = [0]
 
-    def judged(busy_run: Callable[[], list[float]]) -> Callable[[], float]:
-        """Idle steps, the steps of one background run, idle steps again: idle median ÷ busy median."""
+    waits: dict[str, list[float]] = {}  # scenario -> the step's GIL waits per step, one figure a round
+
+    def judged(name: str, busy_run: Callable[[list[float]], list[float]]) -> Callable[[], float]:
+        """Idle steps, the steps of one background run, idle steps again: idle median ÷ busy median
+        (the run's GIL waits per step go to ``waits[name]``)."""
         def run() -> float:
             before = [_timed_step(xs) for _ in range(IDLE_STEPS)]
-            busy = busy_run()
+            busy = busy_run(waits.setdefault(name, []))
             after = [_timed_step(xs) for _ in range(IDLE_STEPS)]
             return statistics.median(before + after) / statistics.median(busy)
         return run
 
-    waits: dict[str, list[float]] = {}  # scenario -> the step's GIL waits per step, one figure a round
-
-    def tierio_on(manager: Any, name: str) -> Callable[[], list[float]]:
-        def run() -> list[float]:
+    def tierio_on(manager: Any) -> Callable[[list[float]], list[float]]:
+        def run(waits: list[float]) -> list[float]:
             step[0] += 1
             handle = manager.save(step[0], state)
-            times = _steps_while(lambda: not handle.done(), xs, waits.setdefault(name, []))
+            times = _steps_while(lambda: not handle.done(), xs, waits)
             handle.wait()
             return times
         return run
 
-    def dcp_run(kind: Any, name: str) -> Callable[[], list[float]]:
-        def run() -> list[float]:
+    def dcp_run(kind: Any) -> Callable[[list[float]], list[float]]:
+        def run(waits: list[float]) -> list[float]:
             step[0] += 1
             target = work / f"dcp-{kind.value}"
             shutil.rmtree(target, ignore_errors=True)
             fut = dcp.async_save(state, checkpoint_id=str(target), async_checkpointer_type=kind)
             done = getattr(fut, "upload_completion", fut)
-            times = _steps_while(lambda: not done.done(), xs, waits.setdefault(name, []))
+            times = _steps_while(lambda: not done.done(), xs, waits)
             done.result()
             return times
         return run
@@ -181,10 +182,10 @@ def measure(nbytes: int, work: Path, rounds: int, log: Callable[[str], None]) ->
             manager.save(step[0], state).wait()  # allocates its buffers, as a job's first save does
         log(f"Python-heavy steps: idle, and while tierio (two tiers, one tier, two at the step's priority) / DCP (thread, process) save "
             f"{nbytes >> 20} MiB; {rounds} rounds")
-        got = common.alternate({"tierio": judged(tierio_on(mgr, "tierio")), "tierio_one": judged(tierio_on(one, "tierio_one")),
-                                "tierio_level": judged(tierio_on(level, "tierio_level")),
-                                "dcp_thread": judged(dcp_run(AsyncCheckpointerType.THREAD, "dcp_thread")),
-                                "dcp_process": judged(dcp_run(AsyncCheckpointerType.PROCESS, "dcp_process"))}, rounds)
+        scenarios = {"tierio": tierio_on(mgr), "tierio_one": tierio_on(one), "tierio_level": tierio_on(level),
+                     "dcp_thread": dcp_run(AsyncCheckpointerType.THREAD),
+                     "dcp_process": dcp_run(AsyncCheckpointerType.PROCESS)}
+        got = common.alternate({name: judged(name, busy) for name, busy in scenarios.items()}, rounds)
     med = {k: statistics.median(v) for k, v in got.items()}  # idle ÷ busy, per scenario
     ratios = {"step_during_persist_vs_idle": med["tierio"],
               "step_slowdown_vs_dcp_process": med["tierio"] / med["dcp_process"],
