@@ -53,6 +53,8 @@ def chunk_digests(root, step: int) -> dict:
 def test_host_buffers_are_pinned():
     buf = HostBuffer(1 << 20)
     assert buf.pinned and buf.tensor().is_pinned()
+    shared = HostBuffer(1 << 20, offload=True)  # the persist process's staging memory (cudaHostRegister)
+    assert shared.offload and shared.pinned and shared.tensor().is_pinned()
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["save", "zero-stall"])

@@ -54,6 +54,9 @@ class DanglingReferenceError(IntegrityError):
         super().__init__(message)
         self.step, self.tensor, self.file = step, tensor, file
 
+    def __reduce__(self) -> tuple:  # crosses process boundaries (the persist process) whole
+        return type(self), (str(self), self.step, self.tensor, self.file)
+
 
 class ConfigError(TierioError, ValueError):
     """An argument or setting is invalid."""
@@ -86,6 +89,9 @@ class UnstorableError(ConfigError):
         super().__init__(message)
         self.key = key
 
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.key)
+
 
 class SnapshotChangedError(TierioError):
     """A tensor handed to an overlapped save changed in place after ``save`` and before the next
@@ -95,6 +101,9 @@ class SnapshotChangedError(TierioError):
     def __init__(self, message: str, names: list[str]) -> None:
         super().__init__(message)
         self.names = names
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.names)
 
 
 class GroupError(TierioError):

@@ -66,7 +66,11 @@ class Ctx:
 
         ``volatile``: the directories this process's power loss undoes unsynced changes in
         (default the whole trial). A rank's node-local tier is; a shared file system, whose server
-        keeps what it acknowledged, is not."""
+        keeps what it acknowledged, is not. The recorder sees this interpreter's calls only, so the
+        persist process's work (the same ``LocalStore`` code, ``io.offload``) stays in it."""
+        from tierio.io import offload
+
+        offload.stay_in_process()
         _Recorder(self, label, volatile).install()
 
     def note(self, key: str, value: Any) -> None:

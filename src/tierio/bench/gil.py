@@ -5,10 +5,13 @@ stalls most) is timed over and over:
 
   idle          nothing else runs (the steps just before and after each scenario below)
   tierio        while a CheckpointManager save persists to tier 0 and promotes to tier 1 behind it
-                (its persist, checksum and promotion threads run in this process)
+                (the default: its byte loops run in the persist process, ``io.offload``)
   tierio_one    the same with one tier: the same work as DCP's (write once), no promotion copy
-  tierio_level  the two-tier save with ``background_nice=0``: its threads are ordinary threads, at
-                the step's priority and moving bytes in the foreground's shorter requests (what
+  tierio_threads
+                the two-tier save with ``persist_process=False``: every byte loop on threads of
+                this process, each return from one a GIL handover
+  tierio_level  the two-tier save on threads with ``background_nice=0``: ordinary threads, at the
+                step's priority and moving bytes in the foreground's shorter requests (what
                 io.background buys: a contended core and fewer GIL handovers)
   dcp_thread    while ``dcp.async_save`` writes with its thread-based checkpointer
   dcp_process   while ``dcp.async_save`` writes with ``AsyncCheckpointerType.PROCESS`` (a process
@@ -23,8 +26,8 @@ interleaved across the scenarios (``common.alternate``); each ratio is the media
   step_during_persist_vs_idle     idle median ÷ median while tierio persists and promotes (1.0: no tax)
   step_slowdown_vs_dcp_process    that figure ÷ the same for DCP's process-based async save
   step_during_dcp_thread_vs_idle  idle median ÷ median while DCP's thread-based async save writes
-  step_one_tier_vs_dcp_process    tierio with one tier ÷ DCP's process: the same bytes written once,
-                                  so what is left of the gap is the threads, not the promotion's copy
+  step_one_tier_vs_dcp_process    tierio with one tier ÷ DCP's process: the same bytes written once
+  step_threads_vs_dcp_process     tierio on threads ÷ DCP's process
   step_level_priority_vs_dcp_process
                                   tierio with its threads at the step's priority ÷ DCP's process
 
@@ -34,16 +37,15 @@ staging and promotion buffers are allocated once and reused); DCP's saves are it
 The step's own count of waits, which the VM's drift does not move: ``gil_waits_per_step`` is, per
 scenario, the median over the rounds of the step thread's voluntary context switches per busy step
 (Linux, ``/proc/thread-self/status``). The step makes no system call that blocks, so each one is a
-wait for the GIL (idle: 0). The same count for tierio's threads and DCP's process says the
-interpreter costs the step no more with one than with the other; a gap in the timed ratios is then
-CPU (the background's C work and the kernel's share of the writes), not the GIL.
+wait for the GIL (idle: 0): each time a background thread got the GIL back from a call that
+released it, the step waited once. With the persist process (``io.offload``) the byte loops send
+one request each and most of those returns are gone; on threads (``tierio_threads``) a two-tier
+512 MiB save makes a few hundred. ``preempted_per_step`` counts the step's involuntary switches: a
+core taken by someone else (DCP's process runs at the step's priority, tierio's work below it).
 
-Why the figures above do not settle the question on a noisy VM, ``background_python`` does:
-every background thread of one steady-state save runs under its own profiler, which splits its
-time into Python frames (bytecode: the GIL held) and calls into C. The byte loops (``pwrite``,
-``preadv``, xxh3, tensor copies) are C calls that release the GIL; what a training step can lose
-to tierio's threads is at most the Python-frame time (``python_seconds``, inflated by the profiler
-itself), against the seconds the save ran behind training (``python_share``).
+``background_python`` profiles every background thread of one steady-state save: its time in
+Python frames (bytecode: the GIL held; ``python_seconds``, inflated by the profiler itself)
+against the seconds the save ran behind training (``python_share``).
 """
 
 from __future__ import annotations
@@ -85,29 +87,31 @@ def _timed_step(xs: list[torch.Tensor]) -> float:
     return time.perf_counter() - t0
 
 
-def _steps_while(busy: Callable[[], bool], xs: list[torch.Tensor], waits: list[float]) -> list[float]:
+def _steps_while(busy: Callable[[], bool], xs: list[torch.Tensor], waits: list[tuple[float, float]]) -> list[float]:
     """Steps timed until ``busy()`` is false (at least MIN_STEPS); ``waits`` gets the step thread's
-    voluntary context switches per step (its GIL waits), where the system tells them."""
+    (voluntary, involuntary) context switches per step (its GIL waits, its core taken), where the
+    system tells them."""
     times: list[float] = []
-    before = _voluntary_switches()
+    before = _switches()
     while busy() or len(times) < MIN_STEPS:
         times.append(_timed_step(xs))
-    after = _voluntary_switches()
+    after = _switches()
     if before is not None and after is not None:
-        waits.append((after - before) / len(times))
+        waits.append(((after[0] - before[0]) / len(times), (after[1] - before[1]) / len(times)))
     return times
 
 
-def _voluntary_switches() -> int | None:
-    """This thread's voluntary context switches so far (Linux), else None."""
+def _switches() -> tuple[int, int] | None:
+    """This thread's voluntary and involuntary context switches so far (Linux), else None."""
+    got: dict[str, int] = {}
     try:
         with open("/proc/thread-self/status") as f:
             for line in f:
-                if line.startswith("voluntary_ctxt_switches:"):
-                    return int(line.split()[1])
+                if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
+                    got[line.split(":")[0]] = int(line.split()[1])
     except OSError:
-        pass
-    return None
+        return None
+    return (got["voluntary_ctxt_switches"], got["nonvoluntary_ctxt_switches"]) if len(got) == 2 else None
 
 
 def _state(nbytes: int) -> dict[str, torch.Tensor]:
@@ -135,9 +139,9 @@ def measure(nbytes: int, work: Path, rounds: int, log: Callable[[str], None]) ->
     python_heavy_step(xs)  # warm
     step = [0]
 
-    waits: dict[str, list[float]] = {}  # scenario -> the step's GIL waits per step, one figure a round
+    waits: dict[str, list[tuple[float, float]]] = {}  # scenario -> the step's switches per step, one pair a round
 
-    def judged(name: str, busy_run: Callable[[list[float]], list[float]]) -> Callable[[], float]:
+    def judged(name: str, busy_run: Callable[[list[tuple[float, float]]], list[float]]) -> Callable[[], float]:
         """Idle steps, the steps of one background run, idle steps again: idle median ÷ busy median
         (the run's GIL waits per step go to ``waits[name]``)."""
         def run() -> float:
@@ -147,8 +151,8 @@ def measure(nbytes: int, work: Path, rounds: int, log: Callable[[str], None]) ->
             return statistics.median(before + after) / statistics.median(busy)
         return run
 
-    def tierio_on(manager: Any) -> Callable[[list[float]], list[float]]:
-        def run(waits: list[float]) -> list[float]:
+    def tierio_on(manager: Any) -> Callable[[list[tuple[float, float]]], list[float]]:
+        def run(waits: list[tuple[float, float]]) -> list[float]:
             step[0] += 1
             handle = manager.save(step[0], state)
             times = _steps_while(lambda: not handle.done(), xs, waits)
@@ -156,8 +160,8 @@ def measure(nbytes: int, work: Path, rounds: int, log: Callable[[str], None]) ->
             return times
         return run
 
-    def dcp_run(kind: Any) -> Callable[[list[float]], list[float]]:
-        def run(waits: list[float]) -> list[float]:
+    def dcp_run(kind: Any) -> Callable[[list[tuple[float, float]]], list[float]]:
+        def run(waits: list[tuple[float, float]]) -> list[float]:
             step[0] += 1
             target = work / f"dcp-{kind.value}"
             shutil.rmtree(target, ignore_errors=True)
@@ -175,14 +179,17 @@ def measure(nbytes: int, work: Path, rounds: int, log: Callable[[str], None]) ->
     # the timed ones run unprofiled
     one_tier = [Tier(work / "one", KeepLast(1))]
     level_tiers = [Tier(work / "level0", KeepLast(1)), Tier(work / "level1", KeepLast(1))]
+    thread_tiers = [Tier(work / "threads0", KeepLast(1)), Tier(work / "threads1", KeepLast(1))]
     with CheckpointManager(tiers, min_keep=1) as mgr, CheckpointManager(one_tier, min_keep=1) as one, \
-            CheckpointManager(level_tiers, min_keep=1, background_nice=0) as level:
-        for manager in (mgr, one, level):
+            CheckpointManager(thread_tiers, min_keep=1, persist_process=False) as threads, \
+            CheckpointManager(level_tiers, min_keep=1, background_nice=0, persist_process=False) as level:
+        for manager in (mgr, one, threads, level):
             step[0] += 1
             manager.save(step[0], state).wait()  # allocates its buffers, as a job's first save does
-        log(f"Python-heavy steps: idle, and while tierio (two tiers, one tier, two at the step's priority) / DCP (thread, process) save "
-            f"{nbytes >> 20} MiB; {rounds} rounds")
-        scenarios = {"tierio": tierio_on(mgr), "tierio_one": tierio_on(one), "tierio_level": tierio_on(level),
+        log(f"Python-heavy steps: idle, and while tierio (two tiers, one tier; on threads, and at the step's priority) / "
+            f"DCP (thread, process) save {nbytes >> 20} MiB; {rounds} rounds")
+        scenarios = {"tierio": tierio_on(mgr), "tierio_one": tierio_on(one), "tierio_threads": tierio_on(threads),
+                     "tierio_level": tierio_on(level),
                      "dcp_thread": dcp_run(AsyncCheckpointerType.THREAD),
                      "dcp_process": dcp_run(AsyncCheckpointerType.PROCESS)}
         got = common.alternate({name: judged(name, busy) for name, busy in scenarios.items()}, rounds)
@@ -190,10 +197,12 @@ def measure(nbytes: int, work: Path, rounds: int, log: Callable[[str], None]) ->
     ratios = {"step_during_persist_vs_idle": med["tierio"],
               "step_slowdown_vs_dcp_process": med["tierio"] / med["dcp_process"],
               "step_one_tier_vs_dcp_process": med["tierio_one"] / med["dcp_process"],
+              "step_threads_vs_dcp_process": med["tierio_threads"] / med["dcp_process"],
               "step_level_priority_vs_dcp_process": med["tierio_level"] / med["dcp_process"],
               "step_during_dcp_thread_vs_idle": med["dcp_thread"]}
     return {"state_bytes": nbytes, "idle_vs_busy": med, "rounds": got, "cpus": os.cpu_count(),
-            "gil_waits_per_step": {k: round(statistics.median(v), 3) for k, v in waits.items() if v},
+            "gil_waits_per_step": {k: round(statistics.median(w for w, _ in v), 3) for k, v in waits.items() if v},
+            "preempted_per_step": {k: round(statistics.median(p for _, p in v), 3) for k, v in waits.items() if v},
             "background_python": background,
             "ratios": {k: round(v, 3) for k, v in ratios.items()},
             "met": common.check_targets(ratios, TARGETS)}

@@ -32,6 +32,7 @@ from tierio import events
 from tierio.dist import rank_world
 from tierio.errors import ConfigError, NotFoundError
 from tierio.format.statetree import flatten
+from tierio.io import offload
 from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Store
 from tierio.units import parse_size
@@ -94,7 +95,7 @@ class CheckpointManager:
         self._leases = TierLeases(job.run_id, self.rank, self.world_size, force=opts.break_lease,
                                   wait_timeout=opts.commit_timeout, timing=timing)
         self._cluster = Cluster(self.rank, self.world_size, job.node, self._leases, Waiting(opts.commit_timeout),
-                                limiter, copy_pool(), opts.inline_record_bytes)
+                                limiter, copy_pool(opts.persist_process), opts.inline_record_bytes)
         self._buddy = self._setup_buddy(rate) if opts.buddy else None
         self.restored_step: int | None = None
         self.restored_from: str | None = None  # the tier whose manifest the last restore used
@@ -105,7 +106,7 @@ class CheckpointManager:
         self._persister = Persister(self._tiers, self._cluster, self._book, memory_budget=opts.memory_budget_bytes,
                                     slots=2 if opts.double_buffer else 1, overlap=opts.overlap,
                                     incremental=opts.incremental, buddy=self._buddy, persisted=self._promoter.persisted,
-                                    numa_node=opts.numa_node, nice=opts.background_nice)
+                                    numa_node=opts.numa_node, nice=opts.background_nice, offload=opts.persist_process)
 
     def _setup_buddy(self, promote_rate: float | None) -> Buddy:
         """Buddy copies (``promotion.buddy``): the pairing and the buddy group, made here, in the caller's thread."""
@@ -357,7 +358,8 @@ class CheckpointManager:
                 "leases": self._leases.status(), "staging_bytes": staging.allocated_bytes,
                 "staging_allocations": staging.allocations, "staging_numa": self._persister.numa.to_dict(),
                 "tiers": [t.to_dict() for t in self._tiers],
-                "saves": self._book.saves(), "pending_promotions": self._book.pending(), "restore": self._last_restore}
+                "saves": self._book.saves(), "pending_promotions": self._book.pending(), "restore": self._last_restore,
+                "persist_process": offload.stats() if self._persister.staging.offload else None}
 
     def _check_open(self) -> None:
         if self._closed:

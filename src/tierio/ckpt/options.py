@@ -43,7 +43,10 @@ class CheckpointOptions(Options):
     ``background_nice``: the niceness added to the threads that persist, checksum, promote and send
     buddy copies behind training, so a contended core goes to the training step first; those
     threads also move bytes in few long calls, so they rarely take the GIL from the step (0: they
-    are ordinary threads; ``io.background``)."""
+    are ordinary threads; ``io.background``); ``persist_process``: the byte loops of that work (the
+    shard's write and checksums, the promotion's reads and writes on local and shared filesystems)
+    run in a process of its own on staging memory it shares, so they take no GIL from a
+    Python-heavy step (``io.offload``)."""
 
     memory_budget_bytes: int | str | None = None
     double_buffer: bool = False
@@ -63,6 +66,7 @@ class CheckpointOptions(Options):
     incremental: bool = False
     numa_node: int | str | None = None
     background_nice: int = DEFAULT_NICE
+    persist_process: bool = True
 
     LABEL: ClassVar[str] = "CheckpointManager"
     ALIASES: ClassVar[dict[str, str]] = {"memory_budget": "memory_budget_bytes",

@@ -19,7 +19,7 @@ import torch
 from tierio.errors import FormatError
 from tierio.format.manifest import ChunkInfo, TensorInfo
 from tierio.format.safetensors import Header, build_header, dtype_name, itemsize
-from tierio.io.checksum import xxh3
+from tierio.io.checksum import xxh3_ranges
 
 CHUNK_BYTES = 64 << 20
 FORMAT_VERSION = "1"
@@ -207,13 +207,15 @@ def describe(layout: ShardLayout, view: memoryview | ShardBytes, file: str,
     and the xxh3 of its bytes in ``view`` (the staged shard, or its ShardBytes). Tensors missing
     from ``places`` are the rank's own."""
     places = places or {}
+    ranges = [(c.begin, c.end) for name in layout.header.tensors for c in layout.chunks[name]]
+    sums = iter(xxh3_ranges(view, ranges))
     out: dict[str, TensorInfo] = {}
     for name, e in layout.header.tensors.items():
         p = places.get(name) or Placement((0,) * len(e.shape), e.shape, False)
         chunks = []
         for c in layout.chunks[name]:
             offsets = (p.offsets[0] + c.row0, *p.offsets[1:]) if e.shape else ()
-            chunks.append(ChunkInfo(file, c.begin, c.end, offsets, c.shape, xxh3(view[c.begin : c.end])))
+            chunks.append(ChunkInfo(file, c.begin, c.end, offsets, c.shape, next(sums)))
         out[name] = TensorInfo(name, e.dtype, p.shape, chunks, p.is_global)
     return out
 

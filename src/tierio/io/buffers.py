@@ -11,8 +11,10 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,7 +43,36 @@ def address_of(buf: memoryview | bytearray | bytes | np.ndarray) -> int:
     return int(arr.__array_interface__["data"][0])
 
 
+def _memfd_available() -> bool:
+    return hasattr(os, "memfd_create")
+
+
+def _register(address: int, size: int) -> bool:
+    """Page-lock host memory for CUDA copies; False (logged) where CUDA refuses."""
+    import torch
+
+    err = torch.cuda.cudart().cudaHostRegister(address, size, 0)
+    if int(err) != 0:
+        log.warning("could not page-lock a %d-byte staging buffer (cudaHostRegister: %s); device copies from it "
+                    "will be synchronous", size, err)
+        return False
+    return True
+
+
+def _unregister(address: int) -> None:
+    try:
+        import torch
+
+        torch.cuda.cudart().cudaHostUnregister(address)
+    except Exception:  # noqa: BLE001 - at exit the CUDA context may be gone already
+        pass
+
+
 def _cuda_available() -> bool:
+    """Whether CUDA can use host memory here: never in a process that has not loaded torch (the
+    persist process, ``io.offload``; the CLI), which would otherwise load it for its first buffer."""
+    if "torch" not in sys.modules:
+        return False
     try:
         import torch
 
@@ -58,15 +89,19 @@ class HostBuffer:
     """
 
     def __init__(self, nbytes: int, *, pin: bool | None = None, prefault: bool = True,
-                 numa_node: int | None = None) -> None:
+                 numa_node: int | None = None, offload: bool = False) -> None:
         if nbytes < 0:
             raise ConfigError(f"HostBuffer size must be >= 0, got {nbytes}")
         self.capacity = align_up(max(nbytes, 1), PAGE)
         self.pinned = False
         self._torch = None
         self.numa_node = numa_node  # its pages were first touched from this node's CPUs (io.numa)
+        self.offload = offload and _memfd_available()
         with first_touch_on(numa_node):
-            self._allocate(pin, prefault)
+            if self.offload:
+                self._allocate_offload(prefault, _cuda_available() if pin is None else pin)
+            else:
+                self._allocate(pin, prefault)
         self.view = memoryview(self.array).cast("B")
         assert address_of(self.array) % ALIGN == 0
 
@@ -87,6 +122,29 @@ class HostBuffer:
             self.array = np.frombuffer(self._mmap, dtype=np.uint8)
         if prefault and not self.pinned:
             self.array[::PAGE] = 0  # no-op cost when MAP_POPULATE already faulted them
+
+    def _allocate_offload(self, prefault: bool, pin: bool) -> None:
+        """Memory the persist process maps too (``io.offload``): a memfd, mapped shared here, and
+        page-locked for CUDA (cudaHostRegister) where asked and possible."""
+        from tierio.io import offload
+
+        fd = os.memfd_create("tierio-staging", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, self.capacity)
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
+            self._mmap = mmap.mmap(fd, self.capacity, flags=flags)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+        if prefault:
+            self.array[::PAGE] = 0
+        serial = offload.share(address_of(self.array), self.capacity, fd)
+        weakref.finalize(self, offload.retire, serial)
+        if pin and _cuda_available():
+            self.pinned = _register(address_of(self.array), self.capacity)
+            if self.pinned:  # weakref callbacks run before the mapping goes
+                weakref.finalize(self, _unregister, address_of(self.array))
 
     def __len__(self) -> int:
         return self.capacity
@@ -119,6 +177,7 @@ class BufferPool:
     pin: bool | None = None
     max_buffers: int | None = None
     numa_node: int | None = None   # new buffers are placed on this NUMA node (io.numa); None: where they fall
+    offload: bool = False  # new buffers are memory the persist process maps too (io.offload)
     _free: list[HostBuffer] = field(default_factory=list)
     _allocated: int = 0
     _busy: int = 0  # buffers handed out and not released yet
@@ -173,7 +232,7 @@ class BufferPool:
                     raise TimeoutError(f"no staging buffer of {need} bytes became free in {timeout}s")
                 self._cond.wait(left)
         try:
-            return HostBuffer(need, pin=self.pin, numa_node=self.numa_node)
+            return HostBuffer(need, pin=self.pin, numa_node=self.numa_node, offload=self.offload)
         except BaseException:
             with self._cond:
                 self._allocated -= need

@@ -19,6 +19,15 @@ def xxh3(data) -> str:
     return f"{xxhash.xxh3_64_intdigest(data):016x}"
 
 
+def xxh3_ranges(view, ranges) -> list[str]:
+    """xxh3 of each ``(begin, end)`` range of ``view``; in the persist process when ``view`` is
+    staging memory it maps (``io.offload``: one request instead of a GIL handover per range)."""
+    from tierio.io import offload
+
+    got = offload.xxh3_ranges(view, ranges) if isinstance(view, memoryview) else None
+    return got if got is not None else [xxh3(view[b:e]) for b, e in ranges]
+
+
 def xxh3_int(data) -> int:
     """xxh3-64 of a buffer as an unsigned 64-bit int (for binary headers that store it packed)."""
     return xxhash.xxh3_64_intdigest(data)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tierio.errors import FormatError, NotFoundError, os_error
+from tierio.io import offload
 from tierio.io.buffers import ALIGN, address_of
 from tierio.io.durable import atomic_copy, atomic_write, is_temp, temp_name
 from tierio.io.engine import ByteRange
@@ -38,6 +39,7 @@ class LocalStore:
         self.root = Path(root).expanduser().absolute()
         self.direct = direct
         self.limiter = limiter
+        self.offload = False  # background threads' calls run in the persist process (io.offload.routed)
         self._read_paths: dict[bool, ReadPath] = {}
         if create:
             try:
@@ -75,6 +77,7 @@ class LocalStore:
         except OSError as exc:
             raise os_error(exc, self.root / key, "creating the directory of") from exc
 
+    @offload.routed
     def put_buffers(self, key: str, buffers: Sequence[Buffer]) -> int:
         dfd = self._parent_fd(key)
         try:
@@ -82,6 +85,7 @@ class LocalStore:
         finally:
             os.close(dfd)
 
+    @offload.routed
     def put_file(self, key: str, path: str | Path) -> int:
         dfd = self._parent_fd(key)
         try:
@@ -89,6 +93,7 @@ class LocalStore:
         finally:
             os.close(dfd)
 
+    @offload.routed
     def create_exclusive(self, key: str, data: bytes) -> bool:
         # The bytes go to a temp file first and are linked to ``key`` whole: link() fails if the
         # name exists, so there is one winner, and a writer killed part-way leaves a temp file
@@ -149,6 +154,11 @@ class LocalStore:
         destination O_DIRECT cannot land in (its address and ``offset`` differ modulo 4 KiB: most
         tensors restored in place) has its own measured way: O_DIRECT would bounce and copy it."""
         n = memoryview(buf).nbytes
+        parts = offload.shared_parts([buf]) if self.offload else None
+        if parts is not None:  # into staging memory: the persist process reads (io.offload)
+            got = offload.read_into(str(self.root), self.direct, key, offset, parts[0])
+            if got is not None:
+                return got
         if not self.direct or n < SAMPLE_BYTES:
             return self._read(key, offset, buf, direct=self.direct)
         fd, _ = self.open(key)
@@ -192,6 +202,7 @@ class LocalStore:
             os.close(fd)
         return is_direct
 
+    @offload.routed
     def get_file(self, key: str, path: str | Path) -> int:
         fd, _ = self.open(key, direct=self.direct)
         try:
@@ -210,10 +221,12 @@ class LocalStore:
             return None
         return self.root / sub
 
+    @offload.routed
     def list(self, prefix: str = "") -> list[str]:
         """Keys under ``prefix``: regular files only (links and temp files are not keys)."""
         return sorted(self.list_sizes(prefix))
 
+    @offload.routed
     def list_sizes(self, prefix: str = "") -> dict[str, int]:
         """``list`` with each key's size, from the same walk."""
         base = self._walk_base(prefix)
@@ -237,6 +250,7 @@ class LocalStore:
                     out[key] = st.st_size
         return out
 
+    @offload.routed
     def stat(self, key: str) -> ObjectInfo:
         fd, _ = self.open(key)
         try:
@@ -245,6 +259,7 @@ class LocalStore:
             os.close(fd)
         return ObjectInfo(key, st.st_size, st.st_mtime)
 
+    @offload.routed
     def exists(self, key: str) -> bool:
         """True for a regular file reached without links (a planted link is not a key)."""
         try:
@@ -254,6 +269,7 @@ class LocalStore:
         return True
 
     # -- deletes -----------------------------------------------------------------------------
+    @offload.routed
     def delete(self, key: str) -> None:
         parts = check_key(key).split("/")
         try:
@@ -286,6 +302,7 @@ class LocalStore:
             finally:
                 os.close(dfd)
 
+    @offload.routed
     def delete_prefix(self, prefix: str) -> int:
         keys = self.list(prefix)
         for key in keys:
@@ -295,6 +312,7 @@ class LocalStore:
             self._prune(check_key(prefix.rstrip("/")).split("/"))
         return len(keys)
 
+    @offload.routed
     def cleanup(self, prefix: str = "", older_than: float = 0.0) -> int:
         return self._remove_temps(prefix, older_than=older_than, force=False)
 
@@ -332,12 +350,14 @@ class LocalStore:
             os.close(rfd)
         return removed
 
+    @offload.routed
     def capacity(self) -> tuple[int, int] | None:
         return disk_space(self.root)
 
     def close(self) -> None:
         pass
 
+    @offload.routed
     def read_small(self, key: str, limit: int) -> bytes:
         """The whole of a small object in one open and read (no stat before it that a replacement
         could outdate); an object larger than ``limit`` is a FormatError."""

@@ -10,7 +10,7 @@ from tierio.errors import ConfigError, DanglingReferenceError, IntegrityError, N
 from tierio.format.manifest import ChunkInfo, Manifest, RankEntry, RecordRef
 from tierio.format.shard import step_dir, step_key
 from tierio.io.buffers import BufferPool
-from tierio.io.checksum import xxh3
+from tierio.io.checksum import xxh3, xxh3_ranges
 from tierio.io.limiter import TokenBucket
 from tierio.storage.base import Store, list_sizes, read_bytes, where
 from tierio.stats import Stats
@@ -32,9 +32,10 @@ class CopyStats(Stats):
         self.files += other.files
 
 
-def copy_pool() -> BufferPool:
-    """A promotion buffer pool: one buffer, reused, replaced by a larger one when a larger shard comes."""
-    return BufferPool(budget_bytes=None, max_buffers=1)
+def copy_pool(offload: bool = False) -> BufferPool:
+    """A promotion buffer pool: one buffer, reused, replaced by a larger one when a larger shard comes
+    (``offload``: memory the persist process maps, ``io.offload``)."""
+    return BufferPool(budget_bytes=None, max_buffers=1, offload=offload)
 
 
 def copy_shard(src: Store, dst: Store, step: int, entry: RankEntry, pool: BufferPool,
@@ -61,7 +62,8 @@ def check_chunks(view: memoryview, chunks: list[tuple[str, int, ChunkInfo]], lab
     for name, i, c in chunks:
         if c.end > len(view):
             raise IntegrityError(f"{label} is {len(view)} bytes, too short for tensor {name!r} chunk {i}; {then}")
-        got = xxh3(view[c.begin : c.end])
+    sums = xxh3_ranges(view, [(c.begin, c.end) for _, _, c in chunks])
+    for (name, i, c), got in zip(chunks, sums):
         if got != c.xxh3:
             raise IntegrityError(f"checksum mismatch in {label}, tensor {name!r} chunk {i}: expected {c.xxh3}, got {got}; {then}")
 

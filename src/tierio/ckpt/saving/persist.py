@@ -27,8 +27,10 @@ from tierio.errors import ConfigError, FormatError, StorageError
 from tierio.format.manifest import RankEntry, TensorInfo
 from tierio.format.shard import Placement, ShardBytes, describe, manifest_key, plan_shard, shard_key, shard_name, step_dir
 from tierio.io import background
+from tierio.io import offload as io_offload
 from tierio.io.buffers import BufferPool, align_up
 from tierio.io.numa import placement
+from tierio.storage.local import LocalStore
 from tierio.units import human_bytes
 
 from tierio.ckpt.promotion.buddy import Buddy
@@ -52,17 +54,30 @@ class Persister:
     def __init__(self, tiers: list[TierState], cluster: Cluster, book: StepBook, *, memory_budget: int | None,
                  slots: int, overlap: bool, incremental: bool, buddy: Buddy | None,
                  persisted: Callable[[int, SaveHandle], None], numa_node: int | str | None = None,
-                 nice: int = background.DEFAULT_NICE) -> None:
+                 nice: int = background.DEFAULT_NICE, offload: bool = False) -> None:
         self.tiers, self.cluster, self.book, self.buddy = tiers, cluster, book, buddy
         self.memory_budget, self.incremental, self.persisted = memory_budget, incremental, persisted
         # Staging buffers: at most `slots` exist, within the memory budget, reused by every save.
         self.numa = placement(numa_node)
-        self.staging = BufferPool(budget_bytes=memory_budget, max_buffers=slots, numa_node=self.numa.node)
+        self.staging = BufferPool(budget_bytes=memory_budget, max_buffers=slots, numa_node=self.numa.node,
+                                  offload=offload)
         self.stager = Stager()
         self.overlap = Overlap(self.stager) if overlap else None
         # Behind training, at a lower priority (io.background): a contended core goes to the step.
         self._pool = background.pool("tierio-ckpt-persist", nice)
         self._checksums = background.pool("tierio-ckpt-checksum", nice)
+        # offload: the byte loops move to the persist process (io.offload): the staging buffers are
+        # its memory too, and the filesystem tiers' calls from background threads go there. (The
+        # manager makes this last, so a constructor that raised holds no helper.)
+        self._helper_held = offload
+        if offload:
+            io_offload.hold(nice)
+            self._route_tiers(True)
+
+    def _route_tiers(self, on: bool) -> None:
+        for ts in self.tiers:
+            if isinstance(ts.store, LocalStore):
+                ts.store.offload = on
 
     @property
     def rank(self) -> int:
@@ -93,6 +108,8 @@ class Persister:
         """Lay out the shard and copy it into a staging buffer (the part a save blocks for; with
         ``overlap``, the large tensors are copied behind, ``saving.overlap``)."""
         layout = self.layout(step, tensors)
+        if self.staging.offload:
+            io_offload.warm()  # a first save's helper starts while its state is staged
         need = handle.bytes = layout.total_bytes
         if self.memory_budget is not None and align_up(need) > self.memory_budget:
             raise ConfigError(
@@ -293,3 +310,7 @@ class Persister:
         self._pool.shutdown(wait=True)
         self._checksums.shutdown(wait=True)
         self.staging.close()
+        if self._helper_held:  # what still runs after this (a promotion's tail) runs here
+            self._helper_held = False
+            self._route_tiers(False)
+            io_offload.let_go()
