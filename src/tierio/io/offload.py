@@ -4,22 +4,24 @@ A checkpoint's byte loops (the shard's write, its checksums, the promotion's rea
 release the GIL, but every return from one asks for the GIL back, and a training step running
 Python then waits for a handover: two context switches, a few hundred times per save. Here those
 loops run in a helper process instead, on staging memory that both processes map (``memfd``
-buffers, ``BufferPool(shared=True)``): the background thread sends one request and sleeps until
-the answer, so a save costs the step a handful of handovers. The helper runs at the background
-niceness (``io.background``), so it takes a contended core after the step, unlike DCP's process.
+buffers, ``BufferPool(offload=True)``): the background thread sends one request and sleeps until
+the answer, so a save costs the step a few dozen handovers. The helper runs at the background
+niceness (``io.background``), so it takes a contended core after the step.
 
-The routing is per buffer: ``LocalStore`` reads and writes, and ``xxh3_ranges``, go to the helper
-when every byte they touch lies in shared staging memory and a helper is running (a
-``CheckpointManager`` with ``persist_process=True`` holds one, ``hold``/``let_go``); anything else
-runs in the calling thread as before. The helper builds the same ``LocalStore`` and runs the same
-code, so durability, path checks and errors are those of the in-process path; its errors come back
-as the same exception types.
+What goes there: ``xxh3_ranges`` and ``LocalStore.read_into`` on shared staging memory, and the
+``LocalStore`` methods marked ``routed`` when a background thread calls them on a store marked
+``offload`` (a checkpoint tier's; its shared buffers cross by reference, small ones as bytes). A
+``CheckpointManager`` with ``persist_process=True`` holds a helper (``hold``/``let_go``; the last
+holder stops it); anything else runs in the calling thread as before. The helper builds the same
+``LocalStore`` and runs the same code, so durability, path checks and errors (their types too) are
+those of the in-process path.
 
 Faults: the helper ignores the signals a scheduler sends the job (SIGTERM, SIGINT, SIGUSR1/2,
 SIGHUP), so an emergency save still has it; it exits when the training process does (its control
-socket closes), and a write cut short that way leaves only a temp file (``io.durable``). A helper
-that dies (OOM, kill -9) fails the request in flight with a StorageError naming it, and the next
-request starts a new one.
+socket closes, or it finds its parent gone), and a write cut short that way leaves only a temp
+file (``io.durable``). A helper that dies (OOM, kill -9) fails the request in flight with a
+StorageError naming it, and the next request starts a new one. Where none can start, a warning
+says so and everything runs here.
 """
 
 from __future__ import annotations
