@@ -89,6 +89,7 @@ def _serve(conn: Connection) -> None:
         except BaseException as exc:  # noqa: BLE001 - handed back to the caller
             reply = ("err", _picklable(exc))
         conn.send(reply)
+        del reply  # an error's tracebacks hold frames, and their views of shared memory
 
 
 def main(argv: list[str]) -> None:
@@ -129,7 +130,10 @@ def main(argv: list[str]) -> None:
             with _lock:
                 got = _maps.pop(msg[1], None)
             if got is not None:
-                got.close()
+                try:
+                    got.close()
+                except BufferError:  # a view still held (an error's traceback): unmapped when it goes
+                    pass
         elif msg[0] == "connect":
             threading.Thread(target=_serve, args=(Connection(recv_handle(control)),), daemon=True).start()
 
