@@ -41,7 +41,7 @@ wait for the GIL (idle: 0): each time a background thread got the GIL back from 
 released it, the step waited once. With the persist process (``io.offload``) the byte loops send
 one request each and most of those returns are gone; on threads (``tierio_threads``) a two-tier
 512 MiB save makes a few hundred. ``preempted_per_step`` counts the step's involuntary switches: a
-core taken by someone else (DCP's process runs at the step's priority, tierio's work below it).
+core taken by someone else (it varies from run to run for every scenario on this VM).
 
 ``background_python`` profiles every background thread of one steady-state save: its time in
 Python frames (bytecode: the GIL held; ``python_seconds``, inflated by the profiler itself)

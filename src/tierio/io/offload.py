@@ -26,13 +26,13 @@ says so and everything runs here.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
-import functools
-import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -384,9 +384,11 @@ def routed(method: Callable[..., T]) -> Callable[..., T]:
 
 
 def read_into(root: str, direct: bool, key: str, offset: int, part: Part) -> int | None:
-    """Read into shared memory in the helper (None: none could be started, the caller reads)."""
+    """``LocalStore.read_into`` in the helper, into shared memory (None: none could be started, the
+    caller reads). Not ``routed``: a destination outside shared memory cannot cross as bytes."""
     try:
-        return _helper.call(f"reading {key} under {root}", "read", [part], root, direct, key, offset)
+        return _helper.call(f"reading {key} under {root}", "store", [part], root, direct, "read_into",
+                            (key, offset, Ref(part)), {})
     except _Unavailable:
         return None
 

@@ -44,25 +44,26 @@ def _store(root: str, direct: bool) -> LocalStore:
         return got
 
 
-def _unwire(value: Any) -> Any:
-    """An argument as the caller passed it (a shared-memory reference as a memoryview)."""
+def _unwire(value: Any, views: list[memoryview]) -> Any:
+    """An argument as the caller passed it (a shared-memory reference as a memoryview, kept in
+    ``views`` to be released after the call)."""
     if isinstance(value, Ref):
-        return _views([value.part])[0]
+        views.extend(_views([value.part]))
+        return views[-1]
     if isinstance(value, (list, tuple)):
-        return type(value)(_unwire(v) for v in value)
+        return type(value)(_unwire(v, views) for v in value)
     return value
 
 
 def _run(op: str, parts: list[tuple[int, int, int]], args: tuple) -> Any:
-    if op == "store":  # a LocalStore method (offload.routed)
-        root, direct, name, pos, kw = args
-        return getattr(_store(root, direct), name)(*_unwire(pos), **{k: _unwire(v) for k, v in kw.items()})
-    views = _views(parts)
+    views: list[memoryview] = []
     try:
-        if op == "read":
-            root, direct, key, offset = args
-            return _store(root, direct).read_into(key, offset, views[0])
+        if op == "store":  # a LocalStore method (offload.routed, offload.read_into)
+            root, direct, name, pos, kw = args
+            pos, kw = _unwire(pos, views), {k: _unwire(v, views) for k, v in kw.items()}
+            return getattr(_store(root, direct), name)(*pos, **kw)
         if op == "xxh3":
+            views = _views(parts)
             return [xxh3(v) for v in views]
         raise ValueError(f"unknown request {op!r}")
     finally:
