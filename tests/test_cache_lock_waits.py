@@ -78,3 +78,16 @@ def test_a_reader_waits_for_a_filler_that_finishes_within_fill_wait(tmp_path, hu
     os.kill(hung_filler.pid, signal.SIGCONT)
     with cache.get(KEY, "file", lambda: FillPlan(3, lambda t: t.write_bytes(b"new"), "shard")) as pin:
         assert pin.hit and pin.path.read_bytes() == b"late"
+
+
+def test_a_waiter_is_late_by_at_most_a_tenth_of_its_wait():
+    """Before: the pause doubled up to 50 ms, so DataLoader workers waiting on one shard download
+    got it up to 50 ms after it ended (measured 20-54 ms for the second worker's first batch)."""
+    from tierio.storage.cache import _POLL, poll_pause
+
+    assert poll_pause(0.0, 60.0) == 0.001  # the first tries come quickly
+    for waited in (0.01, 0.05, 0.1, 0.3):
+        assert poll_pause(waited, 60.0) == pytest.approx(waited / 10)
+    assert poll_pause(30.0, 60.0) == _POLL  # a long fill is polled cheaply
+    assert poll_pause(5.0, 0.002) == 0.002  # never past the caller's deadline
+    assert poll_pause(5.0, -1.0) == 0.0

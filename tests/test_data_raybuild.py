@@ -83,6 +83,23 @@ def test_parts_equal_the_in_process_builder_and_a_rerun_skips_them(cluster, corp
     assert (again.built, again.skipped) == (0, 4) and _files(tmp_path / "out") == before
 
 
+def test_the_ray_data_sink_writes_the_same_parts(cluster, corpus, tmp_path):
+    """A pipeline that already has a Ray Dataset writes the parts through the sink: the same files as
+    ``build_on_ray`` (which runs its tasks itself)."""
+    from ray.data import from_items
+
+    from tierio.data.parts import PartSettings, plan_parts
+    from tierio.data.raybuild import TokenPartsDatasink
+
+    ref = _build(corpus, tmp_path / "ref")
+    settings = PartSettings("tokens", str(corpus / "tokenizer.json"), "text", None, None, 301, 0)
+    rows = TokenPartsDatasink.rows(plan_parts([corpus / "in"], settings))
+    sink = TokenPartsDatasink(str(tmp_path / "out"), settings)
+    from_items(rows, override_num_blocks=len(rows)).write_datasink(sink, concurrency=2, ray_remote_args={"num_cpus": 1})
+    assert len(sink.records) == 4 and sum(r.tokens for r in sink.records) == ref.tokens
+    assert _files(tmp_path / "out") == _files(tmp_path / "ref")
+
+
 def test_a_build_to_s3_lists_only_whole_parts(cluster, corpus, tmp_path, s3_url):
     st = _build(corpus, s3_url)
     store = open_store(s3_url)

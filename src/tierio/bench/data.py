@@ -30,6 +30,8 @@ streamed back through a local cache in batches of 64, one process, no DataLoader
                           the share of the machine's cores busy (/proc/stat) while that plain
                           loader's first epoch ran with no worker: near 1, the reader and the S3
                           server already used every core, so workers can add only their overhead
+  workers2_first_epoch_cpu_busy
+                          the same with two workers (the median of the rounds of each side)
   write_vs_mds_write_upload
                           MDSWriter writing the shards locally and uploading them (seconds) /
                           tierio's ShardWriter writing them to the bucket
@@ -54,7 +56,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -253,7 +254,7 @@ def bench_stream(work: Path, nbytes: int, seq_len: int, shard_size: int, repeat:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     own = args.dir is None
-    work = Path(tempfile.mkdtemp(prefix="tierio-bench-data-", dir=args.dir))
+    work = common.work_dir(args.dir, "data")  # --dir is created if it does not exist
     try:
         pack = bench_pack(args.docs, args.seq_len, args.repeat)
         loader = bench_loader(work, parse_size(args.loader_size), args.seq_len, args.batch_size, args.repeat, args.passes)
