@@ -39,6 +39,7 @@ class TokenWindowDataset(Positioned):
         total_windows = max(0, (self.dataset.num_tokens - 1) // seq_len)
         self.split = EpochSplit(total_windows, rank, world_size, "strided")
         self._tokens = self._plain(self.dataset.flat_tokens())
+        self._run_view: tuple[EpochSplit, np.ndarray | None] | None = None
         self._ring: BatchRing | None = None
 
     @property
@@ -99,11 +100,16 @@ class TokenWindowDataset(Positioned):
         is window ``i`` (one rank, nothing consumed, a mapped ``.bin``), else None. A run of samples
         is then a slice of it: no per-window lookups."""
         split = self.split
-        if split.world_size != 1 or not split.fresh or not isinstance(self._tokens, np.ndarray):
-            return None
-        tokens, step = self._tokens, self.seq_len * self._tokens.itemsize
-        # window i starts at token i * seq_len; the last one ends at token total * seq_len + 1 <= num_tokens
-        return np.ndarray((split.total, self.seq_len + 1), tokens.dtype, tokens, 0, (step, tokens.itemsize))
+        cached = self._run_view
+        if cached is not None and cached[0] is split:  # made for this split (a frozen object): a blend asks per source per batch
+            return cached[1]
+        view = None
+        if split.world_size == 1 and split.fresh and isinstance(self._tokens, np.ndarray):
+            tokens, step = self._tokens, self.seq_len * self._tokens.itemsize
+            # window i starts at token i * seq_len; the last one ends at token total * seq_len + 1 <= num_tokens
+            view = np.ndarray((split.total, self.seq_len + 1), tokens.dtype, tokens, 0, (step, tokens.itemsize))
+        self._run_view = (split, view)
+        return view
 
     def _run(self, starts: np.ndarray) -> np.ndarray | None:
         """Evenly spaced windows (sequential batches) as one strided view of the tokens, else None."""
@@ -140,6 +146,7 @@ class TokenWindowDataset(Positioned):
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state.pop("_tokens")
+        state["_run_view"] = None  # a view of this process's mapping
         return state
 
     def __setstate__(self, state: dict) -> None:
