@@ -173,7 +173,7 @@ def _build_on_ray(args) -> int:
     try:
         from tierio.data.raybuild import build_on_ray
     except ImportError as e:
-        raise ConfigError(f"--engine ray needs Ray Data ({e}): pip install 'tierio[ray]'") from None
+        raise ConfigError(f"--engine ray needs Ray ({e}): pip install 'tierio[ray]'") from None
     t0 = time.perf_counter()
     with progress(f"building {args.output} on Ray", quiet=args.json) as advance:
         def note(p) -> None:
