@@ -92,7 +92,7 @@ def test_the_ray_data_sink_writes_the_same_parts(cluster, corpus, tmp_path):
     from tierio.data.raybuild import TokenPartsDatasink
 
     ref = _build(corpus, tmp_path / "ref")
-    settings = PartSettings("tokens", str(corpus / "tokenizer.json"), "text", None, None, 301, 0)
+    settings = PartSettings(tokenizer=str(corpus / "tokenizer.json"), vocab_size=301, append_eos=0)
     rows = TokenPartsDatasink.rows(plan_parts([corpus / "in"], settings))
     sink = TokenPartsDatasink(str(tmp_path / "out"), settings)
     from_items(rows, override_num_blocks=len(rows)).write_datasink(sink, concurrency=2, ray_remote_args={"num_cpus": 1})

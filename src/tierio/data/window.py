@@ -100,8 +100,8 @@ class TokenWindowDataset(Positioned):
         is window ``i`` (one rank, nothing consumed, a mapped ``.bin``), else None. A run of samples
         is then a slice of it: no per-window lookups."""
         split = self.split
-        cached = self._run_view
-        if cached is not None and cached[0] is split:  # made for this split (a frozen object): a blend asks per source per batch
+        cached = self._run_view  # kept per split (a frozen object): a blend asks each source every batch
+        if cached is not None and cached[0] is split:
             return cached[1]
         view = None
         if split.world_size == 1 and split.fresh and isinstance(self._tokens, np.ndarray):
