@@ -140,6 +140,13 @@ def test_window_batches_equal_the_blend_sample_by_sample(tmp_path):
     upsampled = BlendedDataset(sources, [0.5, 0.2, 0.3], samples=1000)
     for a in (0, 230, 240, 600, 936):
         check(upsampled, range(a, a + 64))  # across a source's end: its windows wrap to its start
+    from tierio.data.blend import PLAN_BATCHES
+
+    assert len(upsampled) > 2 * PLAN_BATCHES  # batches of 2 span more than one plan
+    for n in (2, 7, 64):  # a sequential sampler's batches (planned PLAN_BATCHES at a time): every one,
+        for ds in (blend, upsampled):  # across plans and the upsampled sources' wraps, the short last one too
+            for a in range(0, len(ds), n):
+                check(ds, range(a, min(a + n, len(ds))))
     resumed = BlendedDataset(sources, [0.5, 0.2, 0.3])
     resumed.resume(0, 17)
     check(resumed, range(0, 64))

@@ -131,6 +131,7 @@ class BlendedDataset(Positioned):
         windows = all(isinstance(s, TokenWindowDataset) for s in self.sources) and len(lens) == 1
         self.seq_len: int | None = lens.pop() if windows else None  # token windows: batches as one gather
         self._ring: BatchRing | None = None
+        self._plan: _Plan | None = None  # the batches being read (sequential batches of token windows)
 
     def use_ring(self, ring: BatchRing | None) -> None:
         """Let DataLoader workers write window batches into ``ring`` (blends of token windows)."""
@@ -177,6 +178,15 @@ class BlendedDataset(Positioned):
     def _copy_windows(self, out: np.ndarray, n: int, p0: int | None, pos: np.ndarray | None) -> None:
         """The batch's windows into ``out`` (positions ``p0 .. p0 + n - 1``, or ``pos``): one copy
         per source into its rows."""
+        if p0 is not None and p0 % n == 0:  # a sequential sampler's batch: its rows per source are planned
+            plan = self._plan_of(p0, n)
+            j, ns = p0 // n - plan.start // n, len(self.sources)
+            for d in range(ns):
+                b = plan.ends[j * ns + d]
+                a = b - plan.counts[j * ns + d]
+                if b > a:
+                    self._copy_source(out, d, plan.rows[a:b], plan.k[a:b], True)
+            return
         run = p0 is not None
         src, k = (self.source_index[p0 : p0 + n], self.sample_index[p0 : p0 + n]) if run else \
             (self.source_index[pos], self.sample_index[pos])
@@ -185,16 +195,30 @@ class BlendedDataset(Positioned):
         a = 0
         for d, b in enumerate(ends):
             if b > a:
-                rows, length = order[a:b], int(self.lengths[d])
-                first = int(k[rows[0]]) % length
-                # consecutive blend positions take consecutive samples of each source (the rule hands
-                # a source its next sample): a run is one slice per source unless it wraps into the
-                # source's next pass
-                if run and first + (b - a) <= length:
-                    self.sources[d].copy_run(out, rows, first, b - a)
-                else:
-                    self.sources[d].copy_windows(out, rows, k[rows] % length)
+                rows = order[a:b]
+                self._copy_source(out, d, rows, k[rows], run)
             a = b
+
+    def _copy_source(self, out: np.ndarray, d: int, rows: np.ndarray, k: np.ndarray, run: bool) -> None:
+        """Source ``d``'s samples ``k`` (in blend order) into ``out[rows]``."""
+        length = int(self.lengths[d])
+        first = int(k[0]) % length
+        # consecutive blend positions take consecutive samples of each source (the rule hands a
+        # source its next sample): a run is one slice per source unless it wraps into its next pass
+        if run and first + len(rows) <= length:
+            self.sources[d].copy_run(out, rows, first, len(rows))
+        else:
+            self.sources[d].copy_windows(out, rows, k % length)
+
+    def _plan_of(self, p0: int, n: int) -> _Plan:
+        """The plan of the PLAN_BATCHES batches of ``n`` positions that hold position ``p0``."""
+        start = p0 - p0 % (n * PLAN_BATCHES)
+        plan = self._plan
+        if plan is None or plan.n != n or plan.start != start:
+            end = min(start + n * PLAN_BATCHES, self.size)
+            plan = self._plan = _Plan.of(self.source_index[start:end], self.sample_index[start:end], start, n,
+                                         len(self.sources))
+        return plan
 
     def _read(self, d: int, k: np.ndarray, single: bool = False) -> Any:
         """Samples ``k`` of source ``d`` (``k`` past its end: its next pass)."""
@@ -207,6 +231,33 @@ class BlendedDataset(Positioned):
             return source[int(k[0]) % n]
         many = getattr(source, "__getitems__", None)
         return many((k % n).tolist()) if many is not None else [source[j] for j in (k % n).tolist()]
+
+
+PLAN_BATCHES = 256  # consecutive batches whose rows per source are worked out in one pass
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Which rows of each batch each source fills, for consecutive batches of ``n`` positions from
+    ``start``: group ``g = batch * sources + source`` is ``rows[ends[g] - counts[g] : ends[g]]`` (rows
+    of the batch, in blend order), ``k`` over the same range their samples of the source. Worked out
+    with one counting sort for many batches instead of a sort per batch: that was a fifth of a
+    blend's batch (the copies are the rest)."""
+
+    start: int
+    n: int
+    rows: np.ndarray
+    k: np.ndarray
+    ends: list[int]
+    counts: list[int]
+
+    @classmethod
+    def of(cls, src: np.ndarray, k: np.ndarray, start: int, n: int, sources: int) -> _Plan:
+        groups = -(-len(src) // n) * sources
+        key = (np.arange(len(src)) // n * sources + src).astype(np.uint16 if groups <= 1 << 16 else np.int64)
+        order = np.argsort(key, kind="stable")  # a radix sort for 16-bit keys
+        counts = np.bincount(key, minlength=groups)
+        return cls(start, n, order % n, k[order], np.cumsum(counts).tolist(), counts.tolist())
 
 
 def _split_epochs(take: Any, k: np.ndarray, n: int) -> dict[str, Any]:
