@@ -241,8 +241,8 @@ class _Plan:
     """Which rows of each batch each source fills, for consecutive batches of ``n`` positions from
     ``start``: group ``g = batch * sources + source`` is ``rows[ends[g] - counts[g] : ends[g]]`` (rows
     of the batch, in blend order), ``k`` over the same range their samples of the source. Worked out
-    with one counting sort for many batches instead of a sort per batch: that was a fifth of a
-    blend's batch (the copies are the rest)."""
+    with one counting sort for many batches instead of a sort per batch (a batch of 64 windows from
+    three sources: 48 µs instead of 56; one source's is 39, the copies are the rest)."""
 
     start: int
     n: int
