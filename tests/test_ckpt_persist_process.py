@@ -17,7 +17,8 @@ import torch
 
 from tierio.ckpt import CheckpointManager, KeepLast, Tier, verify
 from tierio.errors import StorageError
-from tierio.io import offload
+from tierio.io import background, offload
+from tierio.storage.local import LocalStore
 
 
 def _state(seed: int, mib: int = 8) -> dict:
@@ -35,6 +36,11 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def _resume(pid: int) -> None:
+    if _alive(pid):
+        os.kill(pid, signal.SIGCONT)
 
 
 def _maps_staging(pid: int) -> bool:
@@ -158,3 +164,39 @@ def test_a_persist_process_that_cannot_start_leaves_the_work_on_threads(tmp_path
     assert out.returncode == 0, out.stderr
     assert "'unavailable': True" in out.stdout and "'requests': 0" in out.stdout
     assert "persist process did not start" in out.stderr and "persist_process=False" in out.stderr
+
+
+
+def test_the_last_holder_letting_go_leaves_the_helper_to_the_request_still_running_in_it(tmp_path):
+    """A closing manager lets go of the helper while a promotion may still write there (a step
+    restored from the nodes' tier 0 is published behind the restore): that write completes, and
+    the helper stops after it."""
+    alone = offload.stats()["holders"] == 0
+    store = LocalStore(tmp_path / "tier")
+    store.offload = True
+    offload.hold(0)
+    held, pid = True, None
+    try:
+        with background.pool("test-promote", 5) as pool:  # routed: a background thread's call
+            assert pool.submit(store.put_buffers, "first", [b"1"]).result(timeout=120) == 1
+            assert offload.stats()["requests"] > 0
+            pid = offload.helper_pid()
+            os.kill(pid, signal.SIGSTOP)  # its next request stays in flight until it goes on
+            write = pool.submit(store.put_buffers, "step/shard", [b"x" * 1000])
+            for _ in range(1200):
+                if offload.stats()["in_flight"] == 1:
+                    break
+                time.sleep(0.05)
+            assert offload.stats()["in_flight"] == 1, write.exception(timeout=1)
+            offload.let_go()
+            held = False
+            _resume(pid)
+            assert write.result(timeout=120) == 1000
+        assert (tmp_path / "tier" / "step" / "shard").read_bytes() == b"x" * 1000
+        if alone:
+            assert offload.helper_pid() is None  # stopped once its last request ended
+    finally:
+        if pid is not None:
+            _resume(pid)
+        if held:
+            offload.let_go()

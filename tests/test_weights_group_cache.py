@@ -190,6 +190,33 @@ def test_cli_group_load_through_the_cache_fills_once_then_hits(tmp_path):
     assert [x["cache"] for x in got[1]] == ["hit", "hit"] and all(x["group_exchange"].startswith("none") for x in got[1])
 
 
+ENDS = """
+import os, sys
+import torch.distributed as dist
+from tierio.cli.main import main
+code = main(["weights", "load", sys.argv[1], "--group", "--json"])
+threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print("ENDS", code, dist.is_initialized(), [t for t in threads if "gloo" in t])
+"""
+
+
+def test_the_cli_group_load_ends_the_process_group_it_started(tmp_path):
+    """Its gloo threads would otherwise live to the interpreter's exit, whose teardown of them
+    sometimes aborted a rank after a finished load (a torchrun job failing with SIGABRT)."""
+    import subprocess
+    import sys
+
+    from tierio.storage.seaweed import free_port
+
+    _model(tmp_path / "m")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    p = subprocess.run([sys.executable, "-c", ENDS, str(tmp_path / "m")], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "ENDS 0 False []" in p.stdout, p.stdout[-2000:]
+
+
 def _killed_worker(rank: int, root: str, init: str) -> None:
     """Two simulated nodes, each filling its cache; rank 1 dies by SIGKILL mid-load. Rank 0 is told
     which rank, its half-made fill is not committed, and alone it loads and fills again."""

@@ -141,12 +141,19 @@ def _load_group(args, dtype, keys, shard, stats, progress):
     if "RANK" not in os.environ:
         raise ConfigError("--group needs torchrun (RANK, WORLD_SIZE, MASTER_ADDR in the environment): "
                           "torchrun --nproc-per-node N -m tierio weights load SOURCE --group")
-    if not dist.is_initialized():
+    made = not dist.is_initialized()
+    if made:
         dist.init_process_group("gloo")
-    if shard is not None and args.rank is None:  # each rank of the group takes its own slices
-        shard = TensorParallel(dist.get_rank() % args.tp, args.tp)
-    cache = _cache(args) if args.cache or args.via_cache else None  # each node's cache: warm nodes serve, cold ones fill
-    tensors = load_group(args.source, keys=keys, shard=shard, stats=stats, progress=progress, cache=cache)
+    try:
+        if shard is not None and args.rank is None:  # each rank of the group takes its own slices
+            shard = TensorParallel(dist.get_rank() % args.tp, args.tp)
+        cache = _cache(args) if args.cache or args.via_cache else None  # each node's cache: warm nodes serve, cold ones fill
+        tensors = load_group(args.source, keys=keys, shard=shard, stats=stats, progress=progress, cache=cache)
+        if made:
+            dist.barrier()  # every rank's exchange is over before the group goes
+    finally:
+        if made:  # its gloo threads must not live to the interpreter's exit (tierio.dist.release_group)
+            dist.destroy_process_group()
     return {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in tensors.items()}
 
 

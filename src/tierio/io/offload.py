@@ -128,6 +128,7 @@ class Helper:
 
     def __init__(self) -> None:
         self.holders = 0
+        self.calls = 0  # requests in flight: the helper outlives its last holder until they end
         self.nice = 0
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
@@ -198,7 +199,18 @@ class Helper:
             return _Conn(ours.detach(), self.started)
 
     def call(self, what: str, op: str, parts: list[Part], *args: Any) -> Any:
-        """Run ``op`` in the helper on ``parts`` of shared memory; ``what`` names the operation in errors."""
+        """Run ``op`` in the helper on ``parts`` of shared memory; ``what`` names the operation in errors
+        (``_Unavailable`` once the last holder let go: the caller runs it itself)."""
+        with self._lock:
+            if self.holders == 0:
+                raise _Unavailable
+            self.calls += 1
+        try:
+            return self._call(what, op, parts, args)
+        finally:
+            self._end_call()
+
+    def _call(self, what: str, op: str, parts: list[Part], args: tuple) -> Any:
         conn: _Conn | None = None
         try:
             conn = self._connection({p[0] for p in parts})
@@ -226,6 +238,12 @@ class Helper:
         if status == "err":
             raise value
         return value
+
+    def _end_call(self) -> None:
+        with self._lock:
+            self.calls -= 1
+            if self.calls == 0 and self.holders == 0:
+                self._stop()
 
     def _stop(self) -> None:
         for conn in self._idle:
@@ -266,9 +284,11 @@ class Helper:
         self.warm()  # ready before the first save, which may be an emergency save
 
     def let_go(self) -> None:
+        """One holder fewer; the last one stops the helper, or leaves that to the last request still
+        running in it (a promotion's write on a background thread): stopping it would cut that short."""
         with self._lock:
             self.holders -= 1
-            if self.holders == 0:
+            if self.holders == 0 and self.calls == 0:
                 self._stop()
 
     @property
@@ -321,10 +341,10 @@ def helper_pid() -> int | None:
 
 
 def stats() -> dict[str, Any]:
-    """The persist process: its pid (None: none runs), the managers holding it, requests answered
-    and helpers started so far in this process, and whether one could not be started (the work
-    then runs on threads here)."""
-    return {"pid": _helper.pid, "holders": _helper.holders, "requests": _helper.requests,
+    """The persist process: its pid (None: none runs), the managers holding it, requests in flight,
+    requests answered and helpers started so far in this process, and whether one could not be
+    started (the work then runs on threads here)."""
+    return {"pid": _helper.pid, "holders": _helper.holders, "in_flight": _helper.calls, "requests": _helper.requests,
             "started": _helper.started, "unavailable": _helper.unavailable}
 
 
