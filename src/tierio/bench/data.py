@@ -23,7 +23,8 @@ streamed back through a local cache in batches of 64, one process, no DataLoader
                           bytes read from the local disk during tierio's first epoch (by the
                           reader and by the S3 server, /proc/PID/io read_bytes, with the
                           bucket's files dropped from the page cache first) / raw sample bytes
-  workers2_vs_workers0    tierio's first epoch with 2 DataLoader workers / with none
+  workers2_vs_workers0    tierio's first epoch (``build_loader``) with 2 DataLoader workers / with
+                          none, the medians of five interleaved rounds a side
   plain_dataloader_workers2_vs_workers0
                           the same through a plain ``DataLoader(ds, batch_size=64, num_workers=k)``
   workers0_first_epoch_cpu_busy

@@ -23,7 +23,7 @@ import time
 import types
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -193,16 +193,36 @@ def run_tierio(server: ServerRef, data: np.ndarray, work: Path, workers: tuple[i
         for row in data:
             w.write({"tokens": row})
     write_s = time.perf_counter() - t0
-    out = []
-    for k in workers:
+    stored = _bytes_under(store, "tierio")
+    seen: dict[int, list[Streamed]] = {k: [] for k in workers}
+
+    def run(k: int) -> float:
         cache = work / f"tierio-cache-{k}"
         ds = StreamingDataset(url, cache, 4 * data.nbytes + (1 << 30), batch_size=BATCH, seed=0)
         loader = build_loader(ds, BATCH, settings=loader_settings(num_workers=k, drop_last=False))
-        first, cached, disk, busy = _epochs(loader, _batch_rows, server, measure_disk=k == 0)
-        out.append(Streamed("tierio", write_s, _bytes_under(store, "tierio"), first, cached, disk, k, busy))
+        # from the server's disk, as the peers' first epochs (its files dropped from the page cache);
+        # the reads are counted without workers (their processes' reads are not in the count)
+        first, cached, disk, busy = _epochs(loader, _batch_rows, server, measure_disk=True)
+        seen[k].append(Streamed("tierio", write_s, stored, first, cached, disk if k == 0 else None, k, busy))
         del loader, ds
         shutil.rmtree(cache, ignore_errors=True)
-    return out + _plain_dataloader(url, data, work, write_s, _bytes_under(store, "tierio"))
+        return first
+
+    # with and without workers compare within a few percent: interleaved rounds, as the plain loader's
+    common.alternate({str(k): (lambda k=k: run(k)) for k in workers}, PLAIN_ROUNDS if len(workers) > 1 else 1)
+    return [_median(seen[k]) for k in workers] + _plain_dataloader(url, data, work, write_s, stored)
+
+
+def _median(runs: list[Streamed]) -> Streamed:
+    """One side's rounds as one run: the median of each figure it has."""
+    def median(values: list[Any]) -> Any:
+        got = [v for v in values if v is not None]
+        return statistics.median(got) if got else None
+
+    return replace(runs[0], first_epoch=median([r.first_epoch for r in runs]),
+                   cached_epoch=median([r.cached_epoch for r in runs]),
+                   first_epoch_disk_read=median([r.first_epoch_disk_read for r in runs]),
+                   first_epoch_cpu_busy=median([r.first_epoch_cpu_busy for r in runs]))
 
 
 def _plain_dataloader(url: str, data: np.ndarray, work: Path, write_s: float, stored: int) -> list[Streamed]:
@@ -213,22 +233,20 @@ def _plain_dataloader(url: str, data: np.ndarray, work: Path, write_s: float, st
 
     from tierio.data.streaming import StreamingDataset
 
-    seen: dict[int, list[tuple[float, float]]] = {0: [], 2: []}  # (cached epoch, cores busy) per round
+    seen: dict[int, list[Streamed]] = {0: [], 2: []}
 
     def run(k: int) -> float:
         cache = work / f"tierio-plain-cache-{k}"
         loader = DataLoader(StreamingDataset(url, cache, 4 * data.nbytes + (1 << 30), seed=0), batch_size=BATCH,
                             num_workers=k)
         first, cached, _, busy = _epochs(loader, _batch_rows, None, measure_disk=False)
-        seen[k].append((cached, busy))
+        seen[k].append(Streamed("tierio-plain", write_s, stored, first, cached, None, k, busy))
         del loader
         shutil.rmtree(cache, ignore_errors=True)
         return first
 
-    firsts = common.alternate({"0": lambda: run(0), "2": lambda: run(2)}, PLAIN_ROUNDS)
-    return [Streamed("tierio-plain", write_s, stored, statistics.median(firsts[str(k)]),
-                     statistics.median(c for c, _ in seen[k]), None, k, statistics.median(b for _, b in seen[k]))
-            for k in (0, 2)]
+    common.alternate({"0": lambda: run(0), "2": lambda: run(2)}, PLAIN_ROUNDS)
+    return [_median(seen[k]) for k in (0, 2)]
 
 
 def run_mosaic(streaming: types.ModuleType, server: ServerRef, data: np.ndarray, work: Path) -> Streamed:
