@@ -14,7 +14,8 @@ One token file (--loader-size) is copied to a SeaweedFS bucket; each side reads 
   s3_indexed_first_epoch_vs_local    the same for the first (fetching) epoch
   s3_ranges_vs_local                 samples/s by ranged GETs / local
 
-Rounds are interleaved (``common.alternate``); each figure is the median over the rounds.
+Rounds are interleaved (``common.alternate``), at least MIN_ROUNDS of them; each figure is the
+median over the rounds.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from tierio.bench import common
 
 
 RANGES_SAMPLES = 2048  # by ranges every window is a GET: time this many, not a whole epoch
+# An epoch of the benchmark's file takes a fraction of a second, and the VM's pauses are as long:
+# three rounds a side gave medians 0.87-1.14 apart for the same code (the blend's rule, data_cluster)
+MIN_ROUNDS = 5
 
 
 def _epoch(ds, seq_len: int, batch: int, seed: int, limit: int | None = None) -> float:
@@ -85,7 +89,7 @@ def bench_s3_indexed(work: Path, prefix: Path, seq_len: int, batch: int, rounds:
                     ds.close()
 
             runs = common.alternate({"local": lambda: _epoch(local, seq_len, batch, 2), "s3_cache": cached,
-                                     "s3_ranges": ranges}, rounds)
+                                     "s3_ranges": ranges}, max(rounds, MIN_ROUNDS))
             local.close()
     med = {k: statistics.median(v) for k, v in runs.items()}
     return {"bin_bytes": nbytes, "seq_len": seq_len, "batch": batch,
