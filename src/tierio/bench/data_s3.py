@@ -34,7 +34,7 @@ from tierio.bench import common
 
 RANGES_SAMPLES = 2048  # by ranges every window is a GET: time this many, not a whole epoch
 # An epoch of the benchmark's file takes a fraction of a second, and the VM's pauses are as long:
-# three rounds a side gave medians 0.87-1.14 apart for the same code (the blend's rule, data_cluster)
+# with three rounds a side the same code measured 0.865 and 1.143 (the blend has the same rule)
 MIN_ROUNDS = 5
 
 
