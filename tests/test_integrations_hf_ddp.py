@@ -88,7 +88,10 @@ def preempt(root: Path, tiers: list[str]) -> None:
     """Resume the run, SIGTERM every rank at a random moment: one emergency step, published."""
     moment = random.Random(27)  # a moment the test does not choose, the same on every run
     at_step, delay = moment.randint(7, 9), moment.uniform(0, 0.05)
-    job = training_jobs.torchrun("hf", root, tiers, 12, "--preempt", "--resume", "--print-steps", popen=True)
+    # the ranks wait after that step until the signal is sent: a step takes ~50 ms, and on a busy
+    # machine the test read the step's line only after the job had finished
+    job = training_jobs.torchrun("hf", root, tiers, 12, "--preempt", "--resume", "--print-steps",
+                                 "--hold-at", str(at_step), popen=True)
     pids: dict[int, int] = {}
     for line in job.stdout:
         if line.startswith("pid "):
@@ -98,6 +101,7 @@ def preempt(root: Path, tiers: list[str]) -> None:
     time.sleep(delay)
     for pid in pids.values():  # as a scheduler does: every rank of the job
         os.kill(pid, signal.SIGTERM)
+    (root / "released").touch()
     out = job.communicate(timeout=180)[0]
     # each rank exits with 143 once the step is published (rank 0) / committed, as torchrun reports
     assert len(pids) == 2 and len(re.findall(r"tierio: step \d+ durable in .* after SIGTERM", out)) == 2, out[-3000:]
@@ -105,9 +109,8 @@ def preempt(root: Path, tiers: list[str]) -> None:
     assert codes and set(codes) == {"143"}, out[-3000:]
 
     emergency = max(int(p.name.split("-")[1]) for p in (root / "out").glob("checkpoint-*"))
-    # The test reads the job's lines through a pipe; on a busy machine it may see "step 9" only as the
-    # job takes its last step (12), where the signal then lands: still one emergency save, published.
-    assert at_step <= emergency <= 12, (at_step, emergency)
+    # the signal lands while the ranks wait after at_step: saved at its end or the next step's
+    assert at_step <= emergency <= at_step + 1, (at_step, emergency)
     listed = {c.step: c.reason for c in list_checkpoints(tiers[0])}
     assert listed[Pointer.read(root / "out" / f"checkpoint-{emergency}" / "tierio.json").step] == "emergency: SIGTERM"
     assert all(verify(tiers[0], step).ok for step in listed)  # a save in flight at the signal: whole or absent

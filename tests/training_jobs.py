@@ -202,7 +202,8 @@ def tiny_gpt2(n_embd: int = 32, n_layer: int = 2):
 def hf_job(root: Path, tiers: list[str] | None, max_steps: int, resume: bool | str | None = None,
            kill_at: int | None = None, save_total_limit: int | None = 2, batch: int = 4, accum: int = 1,
            preempt: bool = False, **job) -> dict[str, torch.Tensor]:
-    """``job``: ``print_steps`` (each rank's pid, rank 0's steps on stdout), ``sigterm_at_save`` (every
+    """``job``: ``print_steps`` (each rank's pid, rank 0's steps on stdout), ``hold_at`` (every rank
+    waits at the end of that step until ROOT/released exists), ``sigterm_at_save`` (every
     rank signals itself right after staging that step's save), ``sigterm_twice`` (and again during
     the emergency save), ``log_samples`` (the dataset indices each rank trains on, to
     ROOT/samples-WORLD-RANK.txt), ``dump`` (whole model, optimizer and scheduler state at every save
@@ -230,6 +231,11 @@ def hf_job(root: Path, tiers: list[str] | None, max_steps: int, resume: bool | s
                 _kill_when(lambda: any((root / "out").glob("checkpoint-*/trainer_state.json")))
             if job.get("print_steps") and rank == 0:
                 say(f"step {state.global_step}")
+            if state.global_step == job.get("hold_at"):  # until the test has signalled: steps take ~50 ms
+                for _ in range(2400):
+                    if (root / "released").exists():
+                        break
+                    time.sleep(0.05)
 
         def on_save(self, args, state, control, **kw):
             if state.global_step == job.get("sigterm_at_save") or (self.signalled and job.get("sigterm_twice")):
@@ -439,6 +445,7 @@ def main() -> None:
     p.add_argument("--accum", type=int, default=1, help="gradient_accumulation_steps (hf)")
     p.add_argument("--preempt", action="store_true", help="tierio_preemption=True (hf)")
     p.add_argument("--sigterm-at-save", type=int, help="every rank signals itself after staging this step (hf)")
+    p.add_argument("--hold-at", type=int, help="every rank waits after this step until ROOT/released exists (hf)")
     for flag in ("print-steps", "sigterm-twice", "log-samples"):  # see hf_job
         p.add_argument(f"--{flag}", action="store_true")
     a = p.parse_args()
@@ -458,7 +465,8 @@ def main() -> None:
     else:
         weights = hf_job(root, tiers, a.length, kill_at=a.kill_at, resume=True if a.resume else None,
                          save_total_limit=None if a.keep_all else 2, batch=a.batch, accum=a.accum, preempt=a.preempt,
-                         print_steps=a.print_steps, sigterm_at_save=a.sigterm_at_save, sigterm_twice=a.sigterm_twice,
+                         print_steps=a.print_steps, hold_at=a.hold_at, sigterm_at_save=a.sigterm_at_save,
+                         sigterm_twice=a.sigterm_twice,
                          log_samples=a.log_samples, dump=a.dump)
     from safetensors.torch import save_file
 
